@@ -1,0 +1,283 @@
+"""``HybridParallelStrategy``: the base every lightning-parallel strategy builds on.
+
+It owns what all layouts share: the process group, the ``(dp, pp, sp, tp)`` device mesh
+(:class:`~lightning_parallel.mesh.ParallelDims`), the sampler ranks (one replica = one dp rank),
+reductions defaulting to the dp group, and gradient averaging over dp.
+
+Data parallelism is done without ``DistributedDataParallel``: after the step's closure has run
+(forward + backward, and for the pipeline the whole schedule) and before gradient clipping and the
+optimizer step, the gradients are averaged over the dp group with one coalesced all-reduce per
+dtype. The pipeline runtime calls blocks directly and moves gradients between buffers (review C1),
+which DDP's autograd-hook reducer cannot follow; one explicit all-reduce at the step works for every
+layout and, with gradient accumulation, runs once per optimizer step rather than per micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel import _collectives
+from lightning_parallel.mesh import DP, ParallelDims, Size, check_size
+
+log = logging.getLogger(__name__)
+
+
+class HybridParallelStrategy(ParallelStrategy):
+    """Data parallelism over a named ``(dp, pp, sp, tp)`` mesh; the base of the other strategies.
+
+    Args:
+        data_parallel_size: number of model replicas; ``"auto"`` uses every device.
+        process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
+        timeout: timeout of the process group's collectives.
+        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"fork"``/``"spawn"``
+            start ranks with multiprocessing.
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        data_parallel_size: Size = "auto",
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        check_size(DP, data_parallel_size)  # fail at construction, not at launch
+        self._sizes: dict[str, Size] = {"dp": data_parallel_size}
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._dims: Optional[ParallelDims] = None
+        self._mesh: Optional[DeviceMesh] = None
+
+    # ----------------------------------------------------------------- topology
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this to decide whether to inject a DistributedSampler
+        return True
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The resolved layout; available once the Trainer has configured this strategy."""
+        if self._dims is None:
+            self._dims = ParallelDims.resolve(self.num_nodes * self.num_processes, **self._sizes)
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(dp, pp, sp, tp)`` mesh; available after ``setup_environment``."""
+        if self._mesh is None:
+            raise RuntimeError("the device mesh is built in `setup_environment`; it does not exist yet")
+        return self._mesh
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        return self._mesh.get_group(DP) if self._mesh is not None else None
+
+    @property
+    def coordinate(self) -> dict[str, int]:
+        """This rank's (dp, pp, sp, tp) coordinate."""
+        return self.parallel_dims.coordinate(self.global_rank)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of one replica (all its pp/sp/tp ranks) must see the same batch
+        return {"num_replicas": self.parallel_dims.dp, "rank": self.coordinate[DP]}
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+
+    # ------------------------------------------------------------- environment
+    @override
+    def _configure_launcher(self) -> None:
+        # Resolve (and so validate) the layout now, when the Trainer is built, before any process starts.
+        self._dims = None
+        _ = self.parallel_dims
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        dims = self.parallel_dims  # validated before the first collective
+        if self.cluster_environment is not None and self.cluster_environment.world_size() != dims.world_size:
+            raise ValueError(
+                f"the layout {dims} needs {dims.world_size} processes, but the cluster environment reports"
+                f" world size {self.cluster_environment.world_size()}"
+            )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self._mesh = dims.build_mesh(self.root_device.type)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._sync_module_states(self.model)
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == "fit":
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_module_states(self, module: torch.nn.Module) -> None:
+        """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""
+        group = self.dp_group
+        if group is not None:
+            _collectives.broadcast_([t.data for t in module.state_dict(keep_vars=True).values()], group)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---------------------------------------------------------------- training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_sync() -> Any:
+            out = closure()  # forward + backward of the step (or of the whole pipeline schedule)
+            self.sync_gradients(optimizer)  # before the precision plugin clips and steps
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def sync_gradients(self, optimizer: Optimizer) -> None:
+        """Average this optimizer's gradients over the dp group."""
+        group = self.dp_group
+        if group is None or self.parallel_dims.dp == 1:
+            return
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        _collectives.all_reduce_mean_(grads, group)
+
+    # -------------------------------------------------------------- collectives
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        """Reduce over ``group``; by default over the dp group (the replicas), as logged values need."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group if group is not None else self.dp_group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # A decision (stop, save) must be the same on every rank of every replica: reduce over the world.
+        flag = torch.tensor(int(decision), device=self.root_device)
+        total = _sync_ddp_if_available(flag, None, reduce_op="sum")
+        return bool(total == self.world_size) if all else bool(total)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @contextmanager
+    def block_backward_sync(self) -> Any:
+        # gradients are synchronised once per optimizer step, never during backward
+        yield None
+
+    # ------------------------------------------------------------------- state
+    def gather_named_parameters(self) -> dict[str, Tensor]:
+        """Every parameter of the full model under its original name, as a detached copy.
+
+        Under data parallelism every rank holds the whole model; model-parallel layouts gather.
+        """
+        assert self.lightning_module is not None
+        return {name: p.detach().clone() for name, p in self.lightning_module.named_parameters()}
+
+    @override
+    def teardown(self) -> None:
+        self._mesh = None
+        super().teardown()
+
+    @classmethod
+    def register(cls) -> None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        StrategyRegistry.register(
+            cls.strategy_name,
+            cls,
+            description="lightning-parallel: data parallelism over a (dp, pp, sp, tp) device mesh",
+            override=True,
+        )

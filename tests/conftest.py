@@ -1,0 +1,31 @@
+"""Test-session set-up: one thread, heavy imports done once, so forked ranks start in milliseconds."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# A forked rank of a parent that ran multi-threaded work hangs in its first parallel op (review H3):
+# keep the pytest process itself single-threaded, and each rank sets one thread first as well.
+torch.set_num_threads(1)
+
+# Pre-import what ranks would otherwise import lazily (dynamo alone costs 1-2 s per process).
+import lightning.pytorch  # noqa: E402,F401
+import torch._dynamo  # noqa: E402,F401
+import torch.distributed.pipelining  # noqa: E402,F401
+import torch.distributed.tensor  # noqa: E402,F401
+import torch.distributed.tensor.parallel  # noqa: E402,F401
+import torchmetrics  # noqa: E402,F401
+
+import lightning_parallel  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_in_parent():
+    """The pytest process itself must never hold a process group (ranks are forked from it)."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        pytest.fail("a test initialized torch.distributed in the pytest process")

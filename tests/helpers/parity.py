@@ -1,0 +1,210 @@
+"""The parity contract (DESIGN §6): a strategy must reproduce single-process training.
+
+``assert_parity`` trains an example model for K optimizer steps twice on the same global batches:
+once in the pytest process on one device (cached per configuration), once under the strategy on N
+forked gloo ranks with real ``Trainer``s. It then asserts, with ``torch.testing.assert_close``:
+
+- the parameters before the first step (replicas start from the same weights),
+- the loss of every batch (averaged over the data-parallel replicas),
+- every parameter after every optimizer step, under its original name,
+- and that the parameters did change (a no-op step cannot pass).
+
+Tolerances: float64 with any optimizer ``rtol=1e-9, atol=1e-12``; float32 only with SGD,
+``rtol=atol=1e-5`` (Adam turns summation-order noise in near-zero gradients into lr-sized updates,
+review H1).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.helpers.distributed import run_distributed
+
+TOLERANCES = {"float64": dict(rtol=1e-9, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
+PRECISION = {"float64": "64-true", "float32": "32-true"}
+
+#: Small configurations of the three example models (4 blocks each, so pp=4 is possible later).
+MODEL_KWARGS: dict[str, dict[str, Any]] = {
+    "gpt": dict(n_layer=4, n_head=2, n_embd=32),
+    "llama": dict(n_layer=4, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64),
+    "encoder": dict(d_model=32, nhead=4, num_layers=4, dim_feedforward=64, max_len=16, vocab_size=32),
+}
+SEQ_LEN = 16
+
+
+@dataclass
+class Records:
+    """What one training run observed, on one rank."""
+
+    initial: dict[str, Tensor] = field(default_factory=dict)
+    losses: list[Tensor] = field(default_factory=list)
+    params: list[dict[str, Tensor]] = field(default_factory=list)
+
+
+class Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.records = Records()
+
+    def _params(self, trainer: L.Trainer) -> dict[str, Tensor]:
+        gather = getattr(trainer.strategy, "gather_named_parameters", None)
+        if gather is not None:
+            return {k: v.cpu() for k, v in gather().items()}
+        return {k: p.detach().cpu().clone() for k, p in trainer.lightning_module.named_parameters()}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.records.initial = self._params(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+        self.records.losses.append(loss.cpu().clone())
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.records.params.append(self._params(trainer))
+
+
+def build(
+    model: str, batch_size: int, optimizer: str, seed: int = 0
+) -> tuple[L.LightningModule, L.LightningDataModule]:
+    """An example model and its data, deterministically initialised and unshuffled."""
+    from examples.data import CharDataModule, ClassificationDataModule
+    from examples.models import GPT, EncoderClassifier, Llama
+
+    torch.manual_seed(seed)
+    # Adam's lr stays small: parameters whose exact gradient is zero (the key bias of nn.MultiheadAttention:
+    # softmax ignores a per-key constant) get updates of about lr * rounding-noise / eps from Adam, which at
+    # lr=1e-2 reach the fp64 atol of 1e-12 by themselves (review H1). Real updates stay ~1e-3 per step.
+    kwargs = dict(MODEL_KWARGS[model], optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3)
+    if model == "encoder":
+        data: L.LightningDataModule = ClassificationDataModule(
+            vocab_size=kwargs["vocab_size"], seq_len=SEQ_LEN, batch_size=batch_size, shuffle=False
+        )
+        return EncoderClassifier(**kwargs), data
+    data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+    cls = GPT if model == "gpt" else Llama
+    return cls(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kwargs), data
+
+
+def _fit(
+    model: str, dtype: str, optimizer: str, steps: int, batch_size: int, trainer_kwargs: dict, extra_callbacks=(), **kw
+) -> Records:
+    module, data = build(model, batch_size, optimizer)
+    recorder = Recorder()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            precision=PRECISION[dtype],
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=root,
+            callbacks=[recorder, *extra_callbacks],
+            **trainer_kwargs,
+            **kw,
+        )
+        trainer.fit(module, datamodule=data)
+    return recorder.records
+
+
+class _OneReplicaSampler(L.Callback):
+    """Give the single-process run the batch order of Lightning's training ``DistributedSampler``.
+
+    Under any data-parallel strategy Lightning replaces the training sampler by
+    ``DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED or 0)``; replica r of R takes every R-th index
+    of one seeded permutation, so the union of the replicas' k-th batches is exactly the k-th batch of
+    the same sampler at ``num_replicas=1``, which is what the reference must train on.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        data = trainer.datamodule
+        make = data.train_dataloader
+
+        def train_dataloader() -> DataLoader:
+            loader = make()
+            sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+            return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
+
+        data.train_dataloader = train_dataloader
+
+
+@functools.lru_cache(maxsize=64)
+def reference(model: str, dtype: str, optimizer: str, steps: int, global_batch: int, extra: tuple) -> Records:
+    """The single-process run every layout is compared with (cached: many layouts share it)."""
+    kwargs = dict(extra)
+    return _fit(
+        model,
+        dtype,
+        optimizer,
+        steps,
+        global_batch,
+        kwargs,
+        devices=1,
+        strategy="auto",
+        extra_callbacks=[_OneReplicaSampler()],
+    )
+
+
+def _parallel_rank(rank: int, world_size: int, strategy: Callable[[], Any], args: tuple, extra: dict) -> Records:
+    return _fit(*args, dict(extra), devices=world_size, strategy=strategy())
+
+
+def assert_parity(
+    model: str,
+    strategy: Callable[[], Any],
+    world_size: int,
+    *,
+    data_parallel_size: int,
+    dtype: str = "float64",
+    optimizer: str | None = None,
+    steps: int = 3,
+    global_batch: int = 8,
+    **trainer_kwargs: Any,
+) -> None:
+    """Train ``model`` under ``strategy()`` on ``world_size`` ranks and single-process; assert equality.
+
+    ``strategy`` is a zero-argument factory called inside each rank. ``trainer_kwargs`` (e.g.
+    ``accumulate_grad_batches``, ``gradient_clip_val``) go to both Trainers.
+    """
+    optimizer = optimizer or ("adamw" if dtype == "float64" else "sgd")
+    if dtype == "float32" and optimizer != "sgd":
+        raise ValueError("float32 parity is defined for SGD only (DESIGN §6, review H1)")
+    if global_batch % data_parallel_size:
+        raise ValueError(f"global_batch={global_batch} must divide by data_parallel_size={data_parallel_size}")
+    extra = tuple(sorted(trainer_kwargs.items()))
+    ref = reference(model, dtype, optimizer, steps, global_batch, extra)
+    args = (model, dtype, optimizer, steps, global_batch // data_parallel_size)
+    per_rank = run_distributed(_parallel_rank, world_size, strategy, args, trainer_kwargs, init_process_group=False)
+    tol = TOLERANCES[dtype]
+    for rank, got in enumerate(per_rank):
+        where = f"{model} {dtype} rank {rank}"
+        _assert_params(got.initial, ref.initial, f"{where}, initial parameters", tol)
+        if len(got.losses) != len(ref.losses) or len(got.params) != len(ref.params):
+            raise AssertionError(
+                f"{where}: {len(got.losses)} losses / {len(got.params)} steps, "
+                f"single process had {len(ref.losses)} / {len(ref.params)}"
+            )
+        for i, (a, b) in enumerate(zip(got.losses, ref.losses)):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"{where}, loss of batch {i}: {m}")
+        for step, (a, b) in enumerate(zip(got.params, ref.params)):
+            _assert_params(a, b, f"{where}, parameters after step {step + 1}", tol)
+    moved = max((ref.params[-1][k] - ref.initial[k]).abs().max().item() for k in ref.initial)
+    assert moved > 1e-6, f"{model}: parameters did not change in {steps} steps; the comparison would be vacuous"
+
+
+def _assert_params(got: dict[str, Tensor], want: dict[str, Tensor], where: str, tol: dict) -> None:
+    if got.keys() != want.keys():
+        missing, unexpected = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        raise AssertionError(f"{where}: parameter names differ; missing {missing}, unexpected {unexpected}")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m, n=name: f"{where}, {n}: {m}")
