@@ -47,3 +47,95 @@ def broadcast_(tensors: Iterable[Tensor], group: ProcessGroup, group_src: int = 
         dist.broadcast(flat, group=group, group_src=group_src)
         for t, received in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
             t.copy_(received)
+
+
+# ------------------------------------------------------------------------------------------- p2p
+# gloo sends are rendezvous for a *blocking* send, but an ``isend`` whose ``wait`` is deferred does not
+# block: the runtime posts every send at once, waits for all of them at the end of the step, and blocks
+# only in receives. Tags identify each message, so matching never depends on order. Never poll
+# ``is_completed()`` on gloo p2p (it never turns true, review H2b).
+
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+]
+_MAX_DIMS = 8
+_HEADER = 2 + _MAX_DIMS + 1  # ndim, dtype, shape..., producer wall time in microseconds
+
+
+def isend_with_header(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
+    """Send shape, dtype and the send time, then the data; returns the works and buffers to keep alive."""
+    import time
+
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"cannot send a {tensor.dim()}-d tensor; at most {_MAX_DIMS} dims")
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    header[-1] = int(time.time() * 1e6)
+    data = tensor.detach().contiguous()
+    return [
+        (dist.isend(header, dst, group=group, tag=2 * tag), header),
+        (dist.isend(data, dst, group=group, tag=2 * tag + 1), data),
+    ]
+
+
+def recv_with_header(src: int, tag: int, group: ProcessGroup, device: torch.device) -> tuple[Tensor, float]:
+    """Receive a tensor sent by ``isend_with_header``; returns it and the producer's send time (s)."""
+    header = torch.empty(_HEADER, dtype=torch.int64)
+    dist.irecv(header, src, group=group, tag=2 * tag).wait()
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    out = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.irecv(out, src, group=group, tag=2 * tag + 1).wait()
+    return out, int(header[-1]) / 1e6
+
+
+def isend(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> tuple[dist.Work, Tensor]:
+    data = tensor.detach().contiguous()
+    return dist.isend(data, dst, group=group, tag=2 * tag + 1), data
+
+
+def recv_into(out: Tensor, src: int, tag: int, group: ProcessGroup) -> Tensor:
+    """Receive into ``out`` (contiguous; gloo rejects anything else) a tensor sent by ``isend``."""
+    dist.irecv(out, src, group=group, tag=2 * tag + 1).wait()
+    return out
+
+
+def broadcast_with_header(tensor: Tensor | None, src: int, group: ProcessGroup, device: torch.device) -> Tensor:
+    """Broadcast a tensor whose shape only ``src`` (a global rank) knows."""
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    if tensor is not None:
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    dist.broadcast(header, src, group=group)
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    out = (
+        tensor.detach().contiguous()
+        if tensor is not None
+        else torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    )
+    dist.broadcast(out, src, group=group)
+    return out
+
+
+def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
+    """In place: each tensor becomes its sum over ``group`` (one all-reduce per dtype)."""
+    if dist.get_world_size(group) == 1:
+        return
+    for same_dtype in _by_dtype(tensors).values():
+        flat = _flatten_dense_tensors(same_dtype)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        for t, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
+            t.copy_(reduced)
+
+
+def broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=group)
+    return box[0]

@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.mesh import DP, ParallelDims, Size, check_size
+from lightning_parallel.mesh import DP, PP, ParallelDims, Size, check_size
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,10 @@ class HybridParallelStrategy(ParallelStrategy):
         return self._mesh.get_group(DP) if self._mesh is not None else None
 
     @property
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
+        return self._mesh.get_group(PP) if self._mesh is not None else None
+
+    @property
     def coordinate(self) -> dict[str, int]:
         """This rank's (dp, pp, sp, tp) coordinate."""
         return self.parallel_dims.coordinate(self.global_rank)
@@ -191,7 +195,8 @@ class HybridParallelStrategy(ParallelStrategy):
         """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""
         group = self.dp_group
         if group is not None:
-            _collectives.broadcast_([t.data for t in module.state_dict(keep_vars=True).values()], group)
+            tensors = [t.data for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta"]
+            _collectives.broadcast_(tensors, group)
 
     @override
     def model_to_device(self) -> None:

@@ -20,6 +20,8 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -58,11 +60,14 @@ def run_distributed(
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     readers, procs = {}, {}
+    logs = [tempfile.TemporaryFile() for _ in range(world_size)]  # each rank's stderr
+    sys.stdout.flush()
+    sys.stderr.flush()
     for rank in range(world_size):
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, fn, args, kwargs, writer, init_process_group, timeout),
+            args=(rank, world_size, port, fn, args, kwargs, writer, init_process_group, timeout, logs[rank].fileno()),
             daemon=True,
         )
         proc.start()
@@ -84,11 +89,19 @@ def run_distributed(
                 rank = readers.pop(reader)
                 status, payload = _receive(reader, procs[rank])
                 if status != "ok":
-                    raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
+                    tail = _read(logs[rank])[-4000:]
+                    raise RankFailed(
+                        f"rank {rank} of {world_size} failed:\n{payload}\n--- its stderr (tail) ---\n{tail}"
+                    )
                 results[rank] = payload
         ok = True
     finally:
         _reap(procs.values(), grace=5.0 if ok else 0.0)
+        for rank, log in enumerate(logs):  # hand the ranks' stderr to pytest's capture
+            text = _read(log)
+            if text:
+                sys.stderr.write(f"--- rank {rank} stderr ---\n{text}")
+            log.close()
     return [results[r] for r in range(world_size)]
 
 
@@ -98,6 +111,11 @@ def _receive(reader: Any, proc: Any) -> tuple[str, Any]:
     except EOFError:
         proc.join(5)
         return "error", f"the process exited with code {proc.exitcode} without reporting a result"
+
+
+def _read(log: Any) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")
 
 
 def _reap(procs: Any, grace: float) -> None:
@@ -119,8 +137,11 @@ def _rank_main(
     writer: Any,
     init_process_group: bool,
     timeout: float,
+    stderr_fd: int,
 ) -> None:
     torch.set_num_threads(1)  # first: a forked child of a multi-threaded parent hangs otherwise (review H3)
+    os.dup2(stderr_fd, 2)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

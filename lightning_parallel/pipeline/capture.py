@@ -1,0 +1,184 @@
+"""Capture, then drive (DESIGN §3; review C3, H11): run the user's own step code around the trunk.
+
+``capture`` runs the user's step for one micro-batch with every block standing in as a cheap recorder
+that returns its hidden input unchanged. It records the trunk's input and the arguments each block is
+called with (masks, RoPE tables, position ids; they may differ per block), and stops at the trunk's
+last call with a private ``BaseException`` that user ``except Exception`` blocks cannot swallow.
+
+``substitute`` re-enters the user's step on the loss stage with the trunk's output put in place of the
+last block's result, so the user's post-trunk code, loss and logging run unchanged.
+
+Neither keeps per-micro-batch state in module hooks: the runtime calls the local blocks itself with
+the captured arguments, so recomputation (which re-runs a block's forward during backward, possibly
+after other micro-batches ran) always sees that block's own saved inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.pipeline.trunk import Trunk
+
+BlockArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+class _TrunkExit(BaseException):
+    """Raised by the last block's recorder to abandon the rest of the user's step."""
+
+
+class TrunkCallError(RuntimeError):
+    """The step does not call the trunk the way pipelining needs (once, in order, hidden state chained).
+
+    ``first_call`` holds the first block's hidden state and arguments when they were seen, so the caller
+    can learn the blocks' output structure and try again (see ``probe_output_structure``).
+    """
+
+    def __init__(self, message: str, first_call: tuple[Tensor, BlockArgs] | None = None) -> None:
+        super().__init__(message)
+        self.first_call = first_call
+
+
+@dataclass
+class Capture:
+    """What one micro-batch's step passed to the trunk."""
+
+    trunk_input: Tensor
+    block_args: list[BlockArgs]
+
+    @property
+    def needs_grad(self) -> bool:
+        """Whether any captured block argument carries an autograd graph (e.g. positions from parameters)."""
+        leaves = [a for args, kwargs in self.block_args for a in (*args, *kwargs.values())]
+        return any(isinstance(a, Tensor) and a.requires_grad for a in leaves)
+
+
+def split_hidden(trunk: Trunk, args: tuple, kwargs: dict) -> tuple[Tensor, BlockArgs]:
+    """Separate the hidden state (first positional, or passed by name) from the other block arguments."""
+    if args:
+        return args[0], (args[1:], kwargs)
+    kwargs = dict(kwargs)
+    if trunk.hidden_name not in kwargs:
+        raise TrunkCallError(f"a block of {trunk.path!r} was called without its hidden state {trunk.hidden_name!r}")
+    return kwargs.pop(trunk.hidden_name), ((), kwargs)
+
+
+def wrap_output(hidden: Tensor, like: Any) -> Any:
+    """Shape ``hidden`` like a block's output: a tensor, or a tuple/list with the hidden state first."""
+    if isinstance(like, (tuple, list)):
+        return type(like)([hidden, *like[1:]])
+    return hidden
+
+
+def unwrap_output(output: Any, block: nn.Module) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise TrunkCallError(
+        f"{type(block).__name__} returned {type(output).__name__}; pipelining needs a tensor or a tuple whose"
+        " first element is the hidden state"
+    )
+
+
+@contextmanager
+def _forwards(blocks: list[nn.Module], make: Callable[[int, nn.Module], Callable[..., Any]]) -> Iterator[None]:
+    """Temporarily replace each block's ``forward`` (an instance attribute; the class is untouched)."""
+    saved = [b.__dict__.get("forward") for b in blocks]
+    for j, b in enumerate(blocks):
+        b.forward = make(j, b)
+    try:
+        yield
+    finally:
+        for b, old in zip(blocks, saved):
+            if old is None:
+                del b.forward
+            else:
+                b.forward = old
+
+
+def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
+    """Run ``step`` up to the trunk's last block call and return what the trunk was given."""
+    n = len(trunk)
+    args: list[BlockArgs | None] = [None] * n
+    state: dict[str, Any] = {"next": 0, "input": None, "last_out": None}
+
+    def make(j: int, block: nn.Module) -> Callable[..., Any]:
+        def record(*a: Any, **kw: Any) -> Any:
+            hidden, rest = split_hidden(trunk, a, kw)
+            if j != state["next"]:
+                raise TrunkCallError(
+                    f"block {j} of trunk {trunk.path!r} was called when block {state['next']} was expected; "
+                    "pipelining needs every block called once per trunk pass, in order"
+                )
+            if j == 0:
+                state["input"] = hidden
+            elif not _same_tensor(hidden, state["last_out"]):
+                raise TrunkCallError(
+                    f"block {j} of trunk {trunk.path!r} did not receive block {j - 1}'s output as its hidden state;"
+                    " pipelining needs the hidden state passed directly from block to block",
+                    first_call=(state["input"], args[0]),
+                )
+            args[j] = rest
+            state["next"] = j + 1
+            if j == n - 1:
+                raise _TrunkExit
+            state["last_out"] = hidden
+            return wrap_output(hidden, output_like)
+
+        return record
+
+    with _forwards(trunk.blocks, make):
+        try:
+            step()
+        except _TrunkExit:
+            pass
+        else:
+            raise TrunkCallError(
+                f"the step returned after calling {state['next']} of the {n} blocks of trunk {trunk.path!r}"
+            )
+    return Capture(trunk_input=state["input"], block_args=args)  # type: ignore[arg-type]
+
+
+def substitute(trunk: Trunk, step: Callable[[], Any], trunk_output: Any) -> Any:
+    """Run ``step`` with the blocks as pass-throughs and the last one returning ``trunk_output``."""
+    n = len(trunk)
+    passes = [0]
+
+    def make(j: int, block: nn.Module) -> Callable[..., Any]:
+        def passthrough(*a: Any, **kw: Any) -> Any:
+            hidden, _ = split_hidden(trunk, a, kw)
+            if j == 0:
+                passes[0] += 1
+                if passes[0] > 1:
+                    raise TrunkCallError(
+                        f"the training step called trunk {trunk.path!r} more than once; pipelined training supports"
+                        " exactly one trunk pass per step (validation, test and predict support any number)"
+                    )
+            return trunk_output if j == n - 1 else wrap_output(hidden, trunk_output)
+
+        return passthrough
+
+    with _forwards(trunk.blocks, make):
+        return step()
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+
+
+def probe_output_structure(block: nn.Module, hidden: Tensor, block_args: BlockArgs) -> Any:
+    """The output structure of ``block`` (whose parameters are on ``meta``), from a call on ``meta`` tensors.
+
+    Returns ``None`` for a tensor output, else a tuple/list of the same length (hidden state first).
+    """
+    to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
+    a, kw = block_args
+    with torch.no_grad():
+        out = block(to_meta(hidden), *map(to_meta, a), **{k: to_meta(v) for k, v in kw.items()})
+    return type(out)([None] * len(out)) if isinstance(out, (tuple, list)) else None

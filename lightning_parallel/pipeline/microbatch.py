@@ -1,0 +1,39 @@
+"""Split a batch into micro-batches along its batch dimension (DESIGN §3).
+
+Every tensor in the batch collection is split with ``torch.tensor_split``, so a batch that does not
+divide evenly (the DataLoader's default last batch) gives micro-batches whose sizes differ by at most
+one; each micro-batch's loss is then weighted by its share of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, tensor_split
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], list[float]]:
+    """Return ``num_microbatches`` micro-batches and each one's share of the batch (summing to 1)."""
+    leaves, spec = tree_flatten(batch)
+    sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0}
+    if not sizes:
+        raise ValueError(f"the batch ({type(batch).__name__}) holds no tensor to split into micro-batches")
+    if len(sizes) > 1:
+        raise ValueError(f"the batch's tensors have different sizes along dim 0: {sorted(sizes)}; cannot micro-batch")
+    size = sizes.pop()
+    if size < num_microbatches:
+        raise ValueError(
+            f"a batch of {size} samples cannot be split into num_microbatches={num_microbatches};"
+            " lower num_microbatches or raise the batch size"
+        )
+    pieces = [
+        tensor_split(leaf, num_microbatches)
+        if isinstance(leaf, Tensor) and leaf.dim() > 0
+        else [leaf] * num_microbatches
+        for leaf in leaves
+    ]
+    micro = [tree_unflatten([p[i] for p in pieces], spec) for i in range(num_microbatches)]
+    first_tensor = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.dim() > 0)
+    shares = [pieces[first_tensor][i].shape[0] / size for i in range(num_microbatches)]
+    return micro, shares

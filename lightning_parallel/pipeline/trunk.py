@@ -1,0 +1,117 @@
+"""The trunk: the container of repeated blocks that carries the hidden state (DESIGN §2), and the
+placement of its blocks on pipeline stages.
+
+Discovery is static: the heaviest ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` holding two
+or more children of one class, or the container named by ``trunk="dotted.path"``. The first training
+step then verifies it (each block called once, in order, the hidden state flowing from one to the
+next; see ``capture.py``).
+
+Blocks of other stages keep their module objects (user code may read their attributes, e.g.
+``nn.TransformerEncoder`` reads ``layers[0].self_attn``), but their parameters and buffers move to the
+``meta`` device, so they cost no memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+@dataclass
+class Trunk:
+    path: str
+    container: nn.Module
+    blocks: list[nn.Module]
+    hidden_name: str  # name of the block forward's first parameter (the hidden state)
+
+    @property
+    def block_names(self) -> list[str]:
+        return [f"{self.path}.{name}" for name, _ in self.container.named_children()]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _is_trunk(module: nn.Module) -> bool:
+    children = list(module.children())
+    return isinstance(module, CONTAINERS) and len(children) >= 2 and len({type(c) for c in children}) == 1
+
+
+def discover_trunk(module: nn.Module, trunk: str | None = None) -> Trunk:
+    """Find the trunk of ``module`` (or take the one named by ``trunk``); raise ``ValueError`` if none."""
+    if trunk is not None:
+        try:
+            container = module.get_submodule(trunk)
+        except AttributeError:
+            raise ValueError(f"trunk={trunk!r}: {type(module).__name__} has no submodule of that name") from None
+        if not _is_trunk(container):
+            raise ValueError(
+                f"trunk={trunk!r} is a {type(container).__name__} with children "
+                f"{[type(c).__name__ for c in container.children()]}; it must be an nn.ModuleList, nn.Sequential"
+                " or nn.ModuleDict of two or more blocks of one class"
+            )
+        path = trunk
+    else:
+        candidates = [(name, m) for name, m in module.named_modules() if name and _is_trunk(m)]
+        if not candidates:
+            inspected = [name for name, m in module.named_modules() if name and isinstance(m, CONTAINERS)]
+            raise ValueError(
+                f"no trunk found in {type(module).__name__}: inspected containers {inspected or 'none'}, none holds"
+                " two or more blocks of one class; name it with trunk='dotted.path.to.blocks'"
+            )
+        path, container = max(candidates, key=lambda c: _numel(c[1]))
+    blocks = list(container.children())
+    params = list(inspect.signature(blocks[0].forward).parameters.values())
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        raise ValueError(f"the blocks of trunk {path!r} ({type(blocks[0]).__name__}) take no hidden-state argument")
+    return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name)
+
+
+def place_blocks(num_blocks: int, num_chunks: int, layers_per_chunk: list[int] | None = None) -> list[range]:
+    """Consecutive block ranges, one per model chunk; balanced (earlier chunks take the remainder) by default."""
+    if layers_per_chunk is not None:
+        if len(layers_per_chunk) != num_chunks:
+            raise ValueError(
+                f"layers_per_stage has {len(layers_per_chunk)} entries, the pipeline has {num_chunks} chunks"
+            )
+        if any(not isinstance(n, int) or n < 1 for n in layers_per_chunk):
+            raise ValueError(f"layers_per_stage={layers_per_chunk}: every stage needs at least one block")
+        if sum(layers_per_chunk) != num_blocks:
+            raise ValueError(
+                f"layers_per_stage={layers_per_chunk} sums to {sum(layers_per_chunk)}, but the trunk has {num_blocks} blocks"
+            )
+        counts = list(layers_per_chunk)
+    else:
+        if num_blocks < num_chunks:
+            raise ValueError(
+                f"{num_chunks} pipeline chunks need at least {num_chunks} blocks; the trunk has {num_blocks}"
+            )
+        q, r = divmod(num_blocks, num_chunks)
+        counts = [q + (c < r) for c in range(num_chunks)]
+    starts = [sum(counts[:c]) for c in range(num_chunks)]
+    return [range(s, s + n) for s, n in zip(starts, counts)]
+
+
+def free_blocks(blocks: list[nn.Module]) -> None:
+    """Move the parameters and buffers of ``blocks`` to ``meta``: the modules stay, the memory goes."""
+    for block in blocks:
+        block.to(torch.device("meta"))
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of the materialised (non-meta) parameters of ``module``, shared parameters counted once."""
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.device.type != "meta" and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total

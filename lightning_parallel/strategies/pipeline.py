@@ -1,0 +1,436 @@
+"""``PipelineParallelStrategy`` (``strategy="pipeline"``): pipeline parallelism for an unchanged
+LightningModule, composable with data parallelism (mesh ``dp x pp``).
+
+What it wires into Lightning (DESIGN §3, §5; review C1-C3, H2, H7-H11):
+
+- ``setup``: discover the trunk, place its blocks on stages (balanced, ``layers_per_stage``, virtual
+  stages), free the other stages' blocks, then build optimizers and drop the freed parameters from
+  them. The loss stage (last chunk) runs on pp coordinate 0, so global rank 0 sees the loss.
+- ``training_step``: split the batch into micro-batches and hand them to the runtime with the chosen
+  schedule. Lightning zeroes gradients *after* ``training_step``, so the schedule's gradients are
+  stashed and put back in ``backward``, which still fires ``on_before_backward``/``on_after_backward``.
+  ``self.log`` calls are recorded, reduced over micro-batches, and replayed on every rank.
+- ``optimizer_step``: pre/post-trunk gradients are summed over the pipeline group (they are replicated;
+  this also makes tied embeddings correct), then averaged over dp; clipping uses the global norm.
+- ``validation/test/predict``: lock-step mode (every rank runs the same pre/post-trunk code).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel import _collectives
+from lightning_parallel.mesh import PP, Size, check_size
+from lightning_parallel.pipeline.microbatch import split_microbatches
+from lightning_parallel.pipeline.runtime import PipelineRuntime, call_block
+from lightning_parallel.pipeline.schedules import SCHEDULES, build_schedule
+from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks
+from lightning_parallel.strategies import _checkpoint
+from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records
+from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+def _checkpointed_block(block: nn.Module, hidden: Tensor, args: tuple, kwargs: dict) -> Any:
+    return torch.utils.checkpoint.checkpoint(block, hidden, *args, use_reentrant=False, **kwargs)
+
+
+class PipelineParallelStrategy(HybridParallelStrategy):
+    """Pipeline parallelism over ``pipeline_parallel_size`` stages (x ``data_parallel_size`` replicas).
+
+    Args:
+        pipeline_parallel_size: number of stages; ``"auto"``: every device not used for dp.
+        data_parallel_size: number of replicas (default 1).
+        num_microbatches: micro-batches per batch (default ``2 * pipeline_parallel_size``).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        virtual_stages: model chunks per stage for ``"interleaved_1f1b"`` (default 2 there, else 1).
+        layers_per_stage: blocks per chunk, in chunk order (default: balanced).
+        trunk: dotted path of the container of repeated blocks (default: discovered).
+        loss_reduction: ``"mean"`` (the loss is a mean over samples: micro-batch losses are weighted by
+            their share of the batch) or ``"sum"``.
+        recompute: ``"full"`` re-runs each block's forward in backward (activation checkpointing).
+        check_batches: for this many first steps, check that every pipeline rank got the same batch.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: Size = "auto",
+        data_parallel_size: Size = 1,
+        num_microbatches: Optional[int] = None,
+        schedule: ScheduleName = "1f1b",
+        virtual_stages: Optional[int] = None,
+        layers_per_stage: Optional[list[int]] = None,
+        trunk: Optional[str] = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        recompute: Literal["none", "full"] = "none",
+        check_batches: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, **kwargs)
+        check_size(PP, pipeline_parallel_size)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
+        virtual_stages = virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
+        if virtual_stages != 1 and schedule != "interleaved_1f1b":
+            raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})")
+        if num_microbatches is not None and (isinstance(num_microbatches, bool) or num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if recompute not in ("none", "full"):
+            raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}")
+        self._sizes["pp"] = pipeline_parallel_size
+        self._num_microbatches, self._schedule_name, self._virtual = num_microbatches, schedule, virtual_stages
+        self._layers_per_stage, self._trunk_path = layers_per_stage, trunk
+        self._loss_reduction, self._recompute, self._check_batches = loss_reduction, recompute, check_batches
+        self.runtime: Optional[PipelineRuntime] = None
+        self._grad_buffer: dict[nn.Parameter, Tensor] = {}
+        self._replicated: list[nn.Parameter] = []
+        self._steps_done = 0
+
+    # --------------------------------------------------------------------------------- layout
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches or 2 * self.parallel_dims.pp
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage; stage p-1 (the loss stage) sits on pp coordinate 0."""
+        return self.parallel_dims.pp - 1 - self.coordinate[PP]
+
+    def stage_rank(self, stage: int) -> int:
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        return ranks[self.parallel_dims.pp - 1 - stage]
+
+    @property
+    def is_loss_stage(self) -> bool:
+        return self.stage == self.parallel_dims.pp - 1
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        dims = self.parallel_dims
+        # validates num_microbatches against the schedule before any process starts
+        self.schedule = build_schedule(self._schedule_name, dims.pp, self.num_microbatches, self._virtual)
+
+    # ---------------------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        lm = self.lightning_module
+        assert lm is not None and self.accelerator is not None
+        if trainer.precision == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' is not supported under pipeline parallelism: each stage's loss scaler would"
+                " skip steps on its own and their scales would diverge; use precision='bf16-mixed' or '32-true'"
+            )
+        if not lm.automatic_optimization:
+            raise ValueError(
+                "manual optimization is not supported under pipeline parallelism; use automatic optimization"
+            )
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._build_pipeline(lm)
+        self._sync_module_states(self.model)
+        for metric in MetricStepper(lm, False).metrics.values():
+            metric.process_group = self.dp_group  # never count a pipeline replica's samples twice
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    group["params"] = [p for p in group["params"] if p.device.type != "meta"]
+        self.setup_precision_plugin()
+        if trainer.state.fn == "fit":
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+
+    def _build_pipeline(self, lm: nn.Module) -> None:
+        dims, stage = self.parallel_dims, self.stage
+        trunk = discover_trunk(lm, self._trunk_path)
+        chunks = dims.pp * self._virtual
+        if self._layers_per_stage is None and len(trunk) < chunks:
+            raise ValueError(
+                f"pipeline_parallel_size={dims.pp} x virtual_stages={self._virtual} = {chunks} stages need at least"
+                f" {chunks} blocks, but trunk {trunk.path!r} has {len(trunk)}"
+            )
+        placement = place_blocks(len(trunk), chunks, self._layers_per_stage)
+        local = {j for c in range(chunks) if c % dims.pp == stage for j in placement[c]}
+        free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
+        for module in lm.modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "use_cache", False):
+                config.use_cache = False  # a KV cache in training keeps every layer's K/V alive (review M4)
+            if isinstance(module, nn.TransformerEncoder):
+                module.use_nested_tensor = False  # nested tensors cannot cross stages (review H6)
+        in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
+        self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
+        block_fn = _checkpointed_block if self._recompute == "full" else call_block
+        ranks = [self.stage_rank(s) for s in range(dims.pp)]
+        self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device, block_fn)
+        self._metrics = MetricStepper(lm, self.is_loss_stage)
+        self._report_placement(trunk.path, placement, parameter_bytes(lm))
+
+    def _report_placement(self, path: str, placement: list[range], nbytes: int) -> None:
+        mine = (self.global_rank, self.stage, nbytes)
+        table = [None] * self.world_size
+        dist.all_gather_object(table, mine)
+        self.stage_parameter_bytes = {stage: b for _, stage, b in table[: self.parallel_dims.pp * 1]}
+        lines = [f"pipeline over {path!r}: {len(placement)} chunks, blocks per chunk {[len(r) for r in placement]}"]
+        lines += [f"  rank {r}: stage {s}, {b / 2**20:.2f} MiB of parameters" for r, s, b in table]
+        rank_zero_info("\n".join(lines))
+
+    # ------------------------------------------------------------------------------- training
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        lm, runtime = self.lightning_module, self.runtime
+        assert lm is not None and runtime is not None
+        batch, rest = args[0], args[1:]
+        if self._steps_done < self._check_batches:
+            self._check_same_batch(batch)
+        self._steps_done += 1
+        micro, shares = split_microbatches(batch, self.num_microbatches)
+        accumulate = lm.trainer.accumulate_grad_batches
+        weights = [(s if self._loss_reduction == "mean" else 1.0) / accumulate for s in shares]
+        params = [p for p in lm.parameters() if p.device.type != "meta"]
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        recorder = LogRecorder()
+
+        def step_of(i: int, mb: Any) -> Any:
+            def step() -> Any:
+                recorder.microbatch, recorder.active = i, runtime.phase == "loss"
+                return lm.training_step(mb, *rest, **kwargs)
+
+            return step
+
+        self._metrics.before_step()
+        with self.precision_plugin.train_step_context(), recording(lm, recorder), _no_mha_fastpath():
+            results = runtime.run(
+                self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], _loss_of, weights
+            )
+        self._grad_buffer = {p: p.grad for p in params if p.grad is not None}
+        for p, g in zip(params, stash):
+            p.grad = g
+        return self._finish_step(results, recorder, shares)
+
+    def _finish_step(self, results: dict, recorder: LogRecorder, shares: list[float]) -> Tensor:
+        """Reduce loss and logs on the loss stage, broadcast them, replay the logs on every rank."""
+        lm = self.lightning_module
+        payload = None
+        if self.is_loss_stage:
+            losses = torch.stack([results[i][0].double() for i in range(len(shares))])
+            w = (
+                torch.tensor(shares, dtype=torch.float64)
+                if self._loss_reduction == "mean"
+                else torch.ones(len(shares), dtype=torch.float64)
+            )
+            total = (losses * w).sum().to(results[0][0].dtype)
+            names = {id(m): n for n, m in lm.named_modules()}
+            logged = reduce_records(recorder, shares)
+            payload = (
+                total.cpu(),
+                [(n, ("metric", names[id(v)]) if not isinstance(v, Tensor) else v.cpu(), kw) for n, v, kw in logged],
+            )
+        src = self.stage_rank(self.parallel_dims.pp - 1)
+        total, logged = _collectives.broadcast_object(payload, src, self.pp_group)
+        replay = [
+            (n, lm.get_submodule(v[1]) if isinstance(v, tuple) else v.to(self.root_device), kw) for n, v, kw in logged
+        ]
+        self._metrics.after_step(replay, src, self.pp_group)
+        for name, value, kwargs in replay:
+            type(lm).log(lm, name, value, **kwargs)
+        return total.to(self.root_device)
+
+    def _check_same_batch(self, batch: Any) -> None:
+        """Every rank of one replica must train on the same batch (review M6): compare a checksum."""
+        leaves = torch.utils._pytree.tree_leaves(batch)
+        crc = 0
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                crc = zlib.crc32(leaf.detach().cpu().contiguous().numpy().tobytes(), crc)
+        sums = [None] * self.parallel_dims.pp
+        dist.all_gather_object(sums, crc, group=self.pp_group)
+        if len(set(sums)) > 1:
+            raise RuntimeError(
+                f"the pipeline ranks of one replica received different batches (checksums {sums}); the data must be"
+                " sharded by data-parallel rank only (use the sampler Lightning injects, or shard by"
+                " trainer.strategy.distributed_sampler_kwargs)"
+            )
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran backward: fire the hooks and put its gradients in place (review C1)."""
+        lm = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
+        for p, g in self._grad_buffer.items():
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        self._grad_buffer = {}
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def sync_gradients(self, optimizer: Optimizer) -> None:
+        """Sum replicated (pre/post-trunk) gradients over the pipeline group, then average over dp."""
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        replicated = [p for p in self._replicated if id(p) in in_opt]
+        if replicated:
+            has = torch.tensor([p.grad is not None for p in replicated], dtype=torch.uint8)
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.pp_group)
+            for p, h in zip(replicated, has.tolist()):
+                if h and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            _collectives.all_reduce_sum_([p.grad for p in replicated if p.grad is not None], self.pp_group)
+        super().sync_gradients(optimizer)
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: every stage's blocks, and the
+        replicated parameters counted once (on stage 0)."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        replicated = {id(p) for p in self._replicated}
+        counted = [p.grad for p in params if id(p) not in replicated or self.stage == 0]
+        norms = [torch.linalg.vector_norm(g, 2) for g in counted]
+        local = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros((), device=self.root_device)
+        squared = local.double().pow(2).reshape(1)
+        dist.all_reduce(squared, group=self.pp_group)
+        total = squared.sqrt().to(local.dtype)
+        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+
+    # ----------------------------------------------------------------------------- evaluation
+    def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        assert self.runtime is not None
+        base = getattr(super(), hook)
+        with _no_mha_fastpath():
+            return self.runtime.lockstep(lambda: base(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._lockstep("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._lockstep("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._lockstep("predict_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------------ state & failure
+    @override
+    def gather_named_parameters(self) -> dict[str, Tensor]:
+        """The full model's parameters by original name, on every rank (a collective over the pp group)."""
+        lm = self.lightning_module
+        local = {n: p.detach().cpu().clone() for n, p in lm.named_parameters() if p.device.type != "meta"}
+        parts: list[Any] = [None] * self.parallel_dims.pp
+        dist.all_gather_object(parts, local, group=self.pp_group)
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters()}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model (local blocks + replicated parameters), under original names."""
+        return _checkpoint.local_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        _checkpoint.save_sharded(checkpoint, filepath, self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise NotImplementedError(
+            f"resuming from the sharded pipeline checkpoint {checkpoint_path!r} is not implemented yet (issue 9);"
+            " the directory is a torch.distributed.checkpoint with the original parameter names"
+        )
+
+    @override
+    def teardown(self) -> None:
+        # Strategy.teardown calls lightning_module.cpu(), which cannot copy the freed (meta) blocks
+        lm = self.lightning_module
+        if lm is not None:
+            lm.cpu = lambda: _materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            if lm is not None:
+                del lm.cpu
+        self.runtime = None
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Print the traceback and leave now: peers blocked on this rank see "connection closed" within
+        about a second and fail in turn, instead of waiting for the process-group timeout (review H2d)."""
+        if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
+            sys.stderr.write(f"[rank {self.global_rank}] {''.join(traceback.format_exception(exception))}")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
+        super().on_exception(exception)
+
+    @classmethod
+    def register(cls) -> None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        StrategyRegistry.register(
+            cls.strategy_name,
+            cls,
+            description="lightning-parallel: pipeline parallelism (1F1B) for unchanged modules",
+            override=True,
+        )
+
+
+def _loss_of(output: Any) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    raise ValueError(
+        f"training_step must return the loss (a tensor or a dict with 'loss'); got {type(output).__name__}"
+    )
+
+
+def _materialised_to(module: nn.Module, device: torch.device) -> nn.Module:
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta":
+            t.data = t.data.to(device)
+    return module
+
+
+@contextmanager
+def _no_mha_fastpath() -> Iterator[None]:
+    """nn.MultiheadAttention's inference fast path skips Python and passes nested tensors (review H6)."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
