@@ -172,6 +172,12 @@ class PipelineParallelStrategy(HybridParallelStrategy):
                 f"pipeline_parallel_size={dims.pp} x virtual_stages={self._virtual} = {chunks} stages need at least"
                 f" {chunks} blocks, but trunk {trunk.path!r} has {len(trunk)}"
             )
+        if self._virtual > 1 and self._layers_per_stage is None and len(trunk) % chunks:
+            raise ValueError(
+                f"interleaved 1F1B with pipeline_parallel_size={dims.pp} x virtual_stages={self._virtual} needs the"
+                f" {len(trunk)} blocks of {trunk.path!r} to divide into {chunks} equal chunks; change virtual_stages"
+                " or give layers_per_stage"
+            )
         placement = place_blocks(len(trunk), chunks, self._layers_per_stage)
         local = {j for c in range(chunks) if c % dims.pp == stage for j in placement[c]}
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])

@@ -32,11 +32,11 @@ from tests.helpers.distributed import run_distributed
 TOLERANCES = {"float64": dict(rtol=1e-9, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
 PRECISION = {"float64": "64-true", "float32": "32-true"}
 
-#: Small configurations of the three example models (4 blocks each, so pp=4 is possible later).
+#: Small configurations of the three example models (8 blocks: pp=4 x 2 virtual stages fits).
 MODEL_KWARGS: dict[str, dict[str, Any]] = {
-    "gpt": dict(n_layer=4, n_head=2, n_embd=32),
-    "llama": dict(n_layer=4, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64),
-    "encoder": dict(d_model=32, nhead=4, num_layers=4, dim_feedforward=64, max_len=16, vocab_size=32),
+    "gpt": dict(n_layer=8, n_head=2, n_embd=32),
+    "llama": dict(n_layer=8, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64),
+    "encoder": dict(d_model=32, nhead=4, num_layers=8, dim_feedforward=64, max_len=16, vocab_size=32),
 }
 SEQ_LEN = 16
 
@@ -81,12 +81,28 @@ def build(
     # Adam's lr stays small: parameters whose exact gradient is zero (the key bias of nn.MultiheadAttention:
     # softmax ignores a per-key constant) get updates of about lr * rounding-noise / eps from Adam, which at
     # lr=1e-2 reach the fp64 atol of 1e-12 by themselves (review H1). Real updates stay ~1e-3 per step.
-    kwargs = dict(MODEL_KWARGS[model], optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3)
+    kwargs = dict(MODEL_KWARGS.get(model, {}), optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3)
     if model == "encoder":
         data: L.LightningDataModule = ClassificationDataModule(
             vocab_size=kwargs["vocab_size"], seq_len=SEQ_LEN, batch_size=batch_size, shuffle=False
         )
         return EncoderClassifier(**kwargs), data
+    if model == "hf":
+        from tests.helpers.models import HFStyleDecoder
+
+        data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        return HFStyleDecoder(vocab_size=data.vocab_size, lr=kwargs["lr"], optimizer=optimizer), data
+    if model in ("llama-ckpt", "gpt-sum"):
+        from tests.helpers.models import CheckpointedLlama, SumLossGPT
+
+        data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        cls, base = (CheckpointedLlama, "llama") if model == "llama-ckpt" else (SumLossGPT, "gpt")
+        return cls(vocab_size=data.vocab_size, block_size=SEQ_LEN, **dict(MODEL_KWARGS[base], optimizer=optimizer, lr=kwargs["lr"])), data
+    if model == "gpt-varlen":
+        from tests.helpers.models import VarLenCharData
+
+        data = VarLenCharData(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        return GPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"]), data
     data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
     cls = GPT if model == "gpt" else Llama
     return cls(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kwargs), data
@@ -96,6 +112,9 @@ def _fit(
     model: str, dtype: str, optimizer: str, steps: int, batch_size: int, trainer_kwargs: dict, extra_callbacks=(), **kw
 ) -> Records:
     module, data = build(model, batch_size, optimizer)
+    if "train_samples" in trainer_kwargs:  # uneven last batches: an epoch of few samples
+        trainer_kwargs = dict(trainer_kwargs)
+        data.train_dataloader = _limit_samples(data.train_dataloader, trainer_kwargs.pop("train_samples"))
     recorder = Recorder()
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
@@ -133,9 +152,20 @@ class _OneReplicaSampler(L.Callback):
         def train_dataloader() -> DataLoader:
             loader = make()
             sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-            return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
+            return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
 
         data.train_dataloader = train_dataloader
+
+
+def _limit_samples(make: Any, num_samples: int) -> Any:
+    """A train loader over the first ``num_samples`` samples, so an epoch ends in an uneven last batch."""
+
+    def train_dataloader() -> DataLoader:
+        loader = make()
+        subset = torch.utils.data.Subset(loader.dataset, range(num_samples))
+        return DataLoader(subset, batch_size=loader.batch_size, collate_fn=loader.collate_fn)
+
+    return train_dataloader
 
 
 @functools.lru_cache(maxsize=64)
@@ -195,7 +225,7 @@ def assert_parity(
                 f"single process had {len(ref.losses)} / {len(ref.params)}"
             )
         for i, (a, b) in enumerate(zip(got.losses, ref.losses)):
-            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"{where}, loss of batch {i}: {m}")
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i, w=where: f"{w}, loss of batch {i}: {m}")
         for step, (a, b) in enumerate(zip(got.params, ref.params)):
             _assert_params(a, b, f"{where}, parameters after step {step + 1}", tol)
     moved = max((ref.params[-1][k] - ref.initial[k]).abs().max().item() for k in ref.initial)

@@ -1,0 +1,130 @@
+"""Test-only models and data that stress what the example models do not.
+
+- ``HFStyleDecoder``: Hugging Face-style decoder layers called as
+  ``layer(hidden_states, attention_mask=..., position_ids=...)[0]`` that return a tuple, a 4-D additive
+  mask and position ids built before the trunk, and a ``config.use_cache`` flag (pipelining must turn it off).
+- ``VarLenCharData``: character batches whose sequence length changes from batch to batch.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from examples.data import CharDataModule, CharWindows
+
+
+class HFStyleLayer(nn.Module):
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.config = config
+        self.norm = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.o = nn.Linear(h, h)
+        self.pos_scale = nn.Parameter(torch.ones(1))
+        self.mlp = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+        self.n_heads = config.num_attention_heads
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, output_attentions=False):
+        B, T, H = hidden_states.shape
+        x = self.norm(hidden_states)
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, H // self.n_heads).permute(2, 0, 3, 1, 4)
+        q = q + self.pos_scale * position_ids[:, None, :, None].to(q.dtype) / T
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        hidden_states = hidden_states + self.o(y.transpose(1, 2).reshape(B, T, H))
+        hidden_states = hidden_states + self.mlp(hidden_states)
+        return (hidden_states, None)
+
+
+class HFStyleModel(nn.Module):
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([HFStyleLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = nn.LayerNorm(config.hidden_size)
+
+    def forward(self, input_ids):
+        B, T = input_ids.shape
+        hidden_states = self.embed_tokens(input_ids)
+        causal = torch.full((T, T), float("-inf"), dtype=hidden_states.dtype).triu(1)
+        attention_mask = causal[None, None].expand(B, 1, T, T)
+        position_ids = torch.arange(T)[None].expand(B, T)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids)[0]
+        return self.norm(hidden_states)
+
+
+class HFStyleDecoder(L.LightningModule):
+    def __init__(self, vocab_size: int = 65, hidden_size: int = 32, num_layers: int = 8, lr: float = 1e-3, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.config = SimpleNamespace(
+            vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=4, use_cache=True,
+        )  # fmt: skip
+        self.model = HFStyleModel(self.config)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.lr, self.opt = lr, optimizer
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self.lm_head(self.model(idx))
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        if self.opt == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def _truncating_collate(samples):
+    x = torch.stack([s[0] for s in samples])
+    y = torch.stack([s[1] for s in samples])
+    length = 6 + int(x[0, 0]) % 10  # a different sequence length from batch to batch
+    return x[:, :length].contiguous(), y[:, :length].contiguous()
+
+
+class VarLenCharData(CharDataModule):
+    def train_dataloader(self) -> DataLoader:
+        train = CharWindows(self.data[: len(self.data) - self.n_val], self.block_size, self.stride)
+        return DataLoader(train, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=_truncating_collate)
+
+
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from examples.models.gpt import GPT  # noqa: E402
+from examples.models.llama import DecoderLayer, Llama  # noqa: E402
+
+
+class _CheckpointedDecoderLayer(DecoderLayer):
+    """A block that runs its own activation checkpointing, as users do."""
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + checkpoint(self.mlp, self.post_attention_layernorm(x), use_reentrant=False)
+
+
+class CheckpointedLlama(Llama):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for layer in self.layers:
+            layer.__class__ = _CheckpointedDecoderLayer
+
+
+class SumLossGPT(GPT):
+    """A GPT whose loss is summed over tokens (``loss_reduction="sum"`` under pipelining)."""
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self(idx)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
+        self.log("train_loss", loss, reduce_fx="sum")
+        return loss
