@@ -180,5 +180,6 @@ def probe_output_structure(block: nn.Module, hidden: Tensor, block_args: BlockAr
     to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
     a, kw = block_args
     with torch.no_grad():
-        out = block(to_meta(hidden), *map(to_meta, a), **{k: to_meta(v) for k, v in kw.items()})
+        # the class's own forward: the instance's may be replaced by a recorder right now
+        out = type(block).forward(block, to_meta(hidden), *map(to_meta, a), **{k: to_meta(v) for k, v in kw.items()})
     return type(out)([None] * len(out)) if isinstance(out, (tuple, list)) else None

@@ -86,6 +86,7 @@ class PipelineRuntime:
         self.num_stages, self.num_chunks = len(stage_ranks), len(chunk_blocks)
         self.local_chunks = [c for c in range(self.num_chunks) if c % self.num_stages == stage]
         self.output_like: Any = None  # the blocks' output structure (None: a plain tensor)
+        self._like_known = False
         self.phase: str | None = None  # "capture" or "loss" while the user's step runs inside the schedule
         self.timeline: list[TimelineEvent] = []
         self._freed = (
@@ -137,10 +138,11 @@ class PipelineRuntime:
         try:
             cap = capture(self.trunk, step, self.output_like)
         except TrunkCallError as err:
-            if err.first_call is None or self._freed is None or self.output_like is not None:
+            if err.first_call is None or self._freed is None or self._like_known:
                 raise
             # User code indexed a block's output (``layer(h)[0]``): learn the real structure, then retry.
             self.output_like = probe_output_structure(self.trunk.blocks[self._freed], *err.first_call)
+            self._like_known = True
             if self.output_like is None:
                 raise
             cap = capture(self.trunk, step, self.output_like)
@@ -173,7 +175,7 @@ class PipelineRuntime:
         out = self._run_chunk(c, x, cap)
         y = unwrap_output(out, self.trunk.blocks[-1])
         if c == self.num_chunks - 1:
-            self.output_like = structure_of(out)
+            self.output_like, self._like_known = structure_of(out), True
             self.phase = "loss"
             try:
                 step_out = substitute(self.trunk, self._steps[i], out)
@@ -237,10 +239,11 @@ class PipelineRuntime:
                     hidden, _ = _collectives.recv_with_header(self.rank_of(c - 1), tag, self.group, self.device)
                 if local:
                     out = real(hidden, *args, **kwargs)
-                    self.output_like = structure_of(out)
+                    self.output_like, self._like_known = structure_of(out), True
                 else:
-                    if self.output_like is None and self._freed is not None:
+                    if not self._like_known and self._freed is not None:
                         self.output_like = probe_output_structure(blocks[self._freed], hidden, (args, kwargs))
+                        self._like_known = True
                     out = wrap_output(hidden, self.output_like)
                 if local and j == self.chunk_blocks[c].stop - 1 and c < self.num_chunks - 1:
                     sends.extend(

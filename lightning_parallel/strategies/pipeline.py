@@ -125,6 +125,11 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        if getattr(self.precision_plugin, "precision", None) == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' is not supported under pipeline parallelism: each stage's loss scaler would"
+                " skip steps on its own and their scales would diverge; use precision='bf16-mixed' or '32-true'"
+            )
         super()._configure_launcher()
         dims = self.parallel_dims
         # validates num_microbatches against the schedule before any process starts
@@ -135,11 +140,6 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         lm = self.lightning_module
         assert lm is not None and self.accelerator is not None
-        if trainer.precision == "16-mixed":
-            raise ValueError(
-                "precision='16-mixed' is not supported under pipeline parallelism: each stage's loss scaler would"
-                " skip steps on its own and their scales would diverge; use precision='bf16-mixed' or '32-true'"
-            )
         if not lm.automatic_optimization:
             raise ValueError(
                 "manual optimization is not supported under pipeline parallelism; use automatic optimization"
@@ -377,6 +377,11 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             f"resuming from the sharded pipeline checkpoint {checkpoint_path!r} is not implemented yet (issue 9);"
             " the directory is a torch.distributed.checkpoint with the original parameter names"
         )
+
+    @override
+    def model_to_device(self) -> None:
+        # a module already placed (fit, then validate) holds freed blocks: move what is materialised
+        _materialised_to(self.model, self.root_device)
 
     @override
     def teardown(self) -> None:

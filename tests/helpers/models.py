@@ -62,7 +62,14 @@ class HFStyleModel(nn.Module):
 
 
 class HFStyleDecoder(L.LightningModule):
-    def __init__(self, vocab_size: int = 65, hidden_size: int = 32, num_layers: int = 8, lr: float = 1e-3, optimizer: str = "adamw") -> None:
+    def __init__(
+        self,
+        vocab_size: int = 65,
+        hidden_size: int = 32,
+        num_layers: int = 8,
+        lr: float = 1e-3,
+        optimizer: str = "adamw",
+    ) -> None:
         super().__init__()
         self.config = SimpleNamespace(
             vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
@@ -128,3 +135,12 @@ class SumLossGPT(GPT):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
         self.log("train_loss", loss, reduce_fx="sum")
         return loss
+
+
+class TwoPassGPT(GPT):
+    """Calls the trunk twice per training step (two views), which pipelined training does not support."""
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        a, b = self(idx), self(idx.flip(1))
+        return F.cross_entropy(a.flatten(0, 1), targets.flatten()) + F.cross_entropy(b.flatten(0, 1), targets.flatten())

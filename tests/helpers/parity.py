@@ -87,22 +87,34 @@ def build(
             vocab_size=kwargs["vocab_size"], seq_len=SEQ_LEN, batch_size=batch_size, shuffle=False
         )
         return EncoderClassifier(**kwargs), data
-    if model == "hf":
+    if model in ("hf", "hf4"):
         from tests.helpers.models import HFStyleDecoder
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
-        return HFStyleDecoder(vocab_size=data.vocab_size, lr=kwargs["lr"], optimizer=optimizer), data
+        layers = 4 if model == "hf4" else 8
+        return HFStyleDecoder(vocab_size=data.vocab_size, num_layers=layers, lr=kwargs["lr"], optimizer=optimizer), data
+    if model == "twice":
+        from tests.helpers.models import TwoPassGPT
+
+        data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        return TwoPassGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **MODEL_KWARGS["gpt"]), data
     if model in ("llama-ckpt", "gpt-sum"):
         from tests.helpers.models import CheckpointedLlama, SumLossGPT
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         cls, base = (CheckpointedLlama, "llama") if model == "llama-ckpt" else (SumLossGPT, "gpt")
-        return cls(vocab_size=data.vocab_size, block_size=SEQ_LEN, **dict(MODEL_KWARGS[base], optimizer=optimizer, lr=kwargs["lr"])), data
+        return cls(
+            vocab_size=data.vocab_size,
+            block_size=SEQ_LEN,
+            **dict(MODEL_KWARGS[base], optimizer=optimizer, lr=kwargs["lr"]),
+        ), data
     if model == "gpt-varlen":
         from tests.helpers.models import VarLenCharData
 
         data = VarLenCharData(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
-        return GPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"]), data
+        return GPT(
+            vocab_size=data.vocab_size, block_size=SEQ_LEN, **MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"]
+        ), data
     data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
     cls = GPT if model == "gpt" else Llama
     return cls(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kwargs), data
@@ -152,7 +164,9 @@ class _OneReplicaSampler(L.Callback):
         def train_dataloader() -> DataLoader:
             loader = make()
             sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-            return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
+            return DataLoader(
+                loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn
+            )
 
         data.train_dataloader = train_dataloader
 

@@ -50,7 +50,9 @@ def test_clipping_uses_the_global_norm():
 def test_recomputation_keeps_parity_when_recompute_runs_after_later_forwards(recompute_in):
     # 1F1B with m=4 at pp=2: stage 0 recomputes micro-batch i after the forward of i+1 (review C3)
     if recompute_in == "strategy":
-        assert_parity("gpt", pipeline(pipeline_parallel_size=2, num_microbatches=4, recompute="full"), 2, data_parallel_size=1)
+        assert_parity(
+            "gpt", pipeline(pipeline_parallel_size=2, num_microbatches=4, recompute="full"), 2, data_parallel_size=1
+        )
     else:  # the user's own torch.utils.checkpoint inside a block
         assert_parity("llama-ckpt", pipeline(pipeline_parallel_size=2, num_microbatches=4), 2, data_parallel_size=1)
 
@@ -71,11 +73,15 @@ def test_hugging_face_style_blocks_with_tuple_outputs_and_kwargs():
 
 
 def test_batches_of_varying_sequence_length():
-    assert_parity("gpt-varlen", pipeline(pipeline_parallel_size=2, num_microbatches=2), 2, data_parallel_size=1, steps=4)
+    assert_parity(
+        "gpt-varlen", pipeline(pipeline_parallel_size=2, num_microbatches=2), 2, data_parallel_size=1, steps=4
+    )
 
 
 def test_layers_per_stage_and_by_name():
-    assert_parity("gpt", pipeline(pipeline_parallel_size=2, num_microbatches=2, layers_per_stage=[3, 5]), 2, data_parallel_size=1)
+    assert_parity(
+        "gpt", pipeline(pipeline_parallel_size=2, num_microbatches=2, layers_per_stage=[3, 5]), 2, data_parallel_size=1
+    )
     assert_parity("gpt", lambda: "pipeline", 2, data_parallel_size=1)
 
 
@@ -100,7 +106,9 @@ def test_matrix(model, pp, schedule, m, dtype, accumulate):
         accumulate_grad_batches=accumulate, gradient_clip_val=0.05,
     )  # fmt: skip
     if schedule == "interleaved_1f1b" and m % pp:
-        with pytest.raises(Exception, match=rf"num_microbatches \({m}\) to be a multiple of the number of pipeline stages \({pp}\)"):
+        with pytest.raises(
+            Exception, match=rf"num_microbatches \({m}\) to be a multiple of the number of pipeline stages \({pp}\)"
+        ):
             run()
     else:
         run()
@@ -111,4 +119,13 @@ def test_matrix(model, pp, schedule, m, dtype, accumulate):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_matrix_dp2_x_pp2(model, schedule):
     strategy = pipeline(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=4, schedule=schedule)
-    assert_parity(model, strategy, 4, data_parallel_size=2, global_batch=16, accumulate_grad_batches=2, gradient_clip_val=0.05, steps=2)
+    assert_parity(
+        model,
+        strategy,
+        4,
+        data_parallel_size=2,
+        global_batch=16,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
+        steps=2,
+    )
