@@ -97,6 +97,13 @@ class _PredictEncoder(EncoderClassifier):
         tokens, _ = batch
         return self(tokens)
 
+    def test_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self(tokens)
+        self.val_acc(logits, labels)
+        self.log("test_loss", torch.nn.functional.cross_entropy(logits, labels), sync_dist=True)
+        self.log("test_acc", self.val_acc)
+
 
 def _predict(rank, world_size, pipelined):
     torch.manual_seed(0)
@@ -108,14 +115,19 @@ def _predict(rank, world_size, pipelined):
     with tempfile.TemporaryDirectory() as root:
         strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2) if pipelined else "auto"
         trainer = _trainer(world_size, strategy, root)
-        return torch.cat(trainer.predict(module, dataloaders=loader))
+        predictions = torch.cat(trainer.predict(module, dataloaders=loader))
+        (tested,) = trainer.test(module, dataloaders=loader, verbose=False)
+        return predictions, tested
 
 
-def test_predict_returns_the_predictions_on_rank_0():
+def test_predict_and_test_under_pp2_equal_single_device_on_every_rank():
     got = run_distributed(_predict, 2, True, init_process_group=False)
-    want = _predict(0, 1, False)
-    torch.testing.assert_close(got[0], want, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(got[1], want, rtol=1e-9, atol=1e-12)
+    want, want_test = _predict(0, 1, False)
+    for predictions, tested in got:
+        torch.testing.assert_close(predictions, want, rtol=1e-9, atol=1e-12)
+        assert tested.keys() == want_test.keys() == {"test_loss", "test_acc"}
+        for k in want_test:
+            assert tested[k] == pytest.approx(want_test[k], rel=1e-9), k
 
 
 def _hf_use_cache(rank, world_size):

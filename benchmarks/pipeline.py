@@ -1,0 +1,245 @@
+"""Pipeline throughput on 2 CPU processes x 1 thread: single process vs our schedules vs torch's Schedule1F1B.
+
+    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 --reps 5
+
+Model: the example GPT (H=128, 8 blocks, 4 heads, character vocabulary), global batch of m sequences,
+micro-batch = 1 sequence, SGD step included. Every configuration runs one step per round, rounds
+repeat A/B/A/B after a warm-up round, and the table reports medians. Rows:
+
+- ``single 1t`` / ``single 2t``: one process with 1 / 2 intra-op threads (the other rank idles);
+- ``ours <schedule>``: our runtime (capture-then-drive, the code ``PipelineParallelStrategy`` runs)
+  at pp=2, outside the Trainer so both pipelines are measured the same way;
+- ``torch Schedule1F1B``: ``torch.distributed.pipelining`` on the same manual split (embeddings +
+  blocks 0-3 | blocks 4-7 + final norm + head), ``loss_fn`` on every rank.
+
+Also reported: the measured bubble fraction of each stage (1 - busy / makespan, from our runtime's
+timeline), parameter bytes per stage, and the peak bytes autograd kept saved for backward per stage
+(no recomputation in these runs, so saved-tensor hooks see everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.models import GPT  # noqa: E402
+from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
+from lightning_parallel.pipeline.schedules import build_schedule  # noqa: E402
+from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks  # noqa: E402
+
+VOCAB, H, LAYERS, HEADS = 65, 128, 8, 4
+
+
+class SavedBytes:
+    """Peak bytes of distinct storages autograd holds for backward (pack hooks + weakref finalizers)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.live and storage.nbytes():
+            self.live[key] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._free, key)
+        return t
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def make_model(seq_len: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=VOCAB, block_size=seq_len, n_layer=LAYERS, n_head=HEADS, n_embd=H)
+
+
+def batch(seq_len: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, VOCAB, (m, seq_len + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+class Single:
+    def __init__(self, seq_len: int, m: int, threads: int) -> None:
+        self.model, self.batch, self.threads = make_model(seq_len), batch(seq_len, m), threads
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+    def step(self, rank: int) -> dict:
+        if rank != 0:
+            return {}
+        torch.set_num_threads(self.threads)
+        try:
+            meter = SavedBytes()
+            with meter.hooks():
+                loss = self.model._loss(self.batch)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        finally:
+            torch.set_num_threads(1)
+        return {"saved": meter.peak}
+
+
+class Ours:
+    def __init__(self, seq_len: int, m: int, rank: int, schedule: str) -> None:
+        self.model = make_model(seq_len)
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        trunk = discover_trunk(self.model)
+        placement = place_blocks(len(trunk), 2 * v)
+        local = {j for c in range(2 * v) if c % 2 == rank for j in placement[c]}
+        free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
+        self.runtime = PipelineRuntime(trunk, placement, rank, [0, 1], None, torch.device("cpu"))
+        self.actions = build_schedule(schedule, 2, m, v)[rank]
+        x, y = batch(seq_len, m)
+        self.micro = [(x[i : i + 1], y[i : i + 1]) for i in range(m)]
+        self.params = [p for p in self.model.parameters() if p.device.type != "meta"]
+        self.opt = torch.optim.SGD(self.params, lr=1e-3)
+        self.m = m
+
+    def step(self, rank: int) -> dict:
+        meter = SavedBytes()
+        steps = [lambda mb=mb: self.model._loss(mb) for mb in self.micro]
+        with meter.hooks():
+            self.runtime.run(self.actions, steps, lambda out: out, [1.0 / self.m] * self.m)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        tl = self.runtime.timeline
+        makespan = tl[-1].end - tl[0].start
+        busy = sum(e.end - e.start - e.blocked for e in tl)
+        return {"saved": meter.peak, "bubble": 1 - busy / makespan, "params": parameter_bytes(self.model)}
+
+
+class TorchStage(nn.Module):
+    def __init__(self, gpt: GPT, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        h = gpt.transformer.h
+        self.blocks = nn.ModuleList(h[:4] if first else h[4:])
+        if first:
+            self.wte, self.wpe = gpt.transformer.wte, gpt.transformer.wpe
+        else:
+            self.ln_f, self.head = gpt.transformer.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.size(1)))
+        for b in self.blocks:
+            x = b(x)
+        return x if self.first else self.head(self.ln_f(x))
+
+
+class Torch1F1B:
+    def __init__(self, seq_len: int, m: int, rank: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self.module = TorchStage(make_model(seq_len), first=rank == 0)
+        stage = PipelineStage(self.module, rank, 2, torch.device("cpu"))
+        loss_fn = lambda logits, tgt: F.cross_entropy(logits.flatten(0, 1), tgt.flatten())  # noqa: E731
+        self.sched = Schedule1F1B(stage, m, loss_fn=loss_fn)  # loss_fn on every rank, or it deadlocks on gloo
+        self.x, self.y = batch(seq_len, m)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-3)
+
+    def step(self, rank: int) -> dict:
+        meter = SavedBytes()
+        with meter.hooks():
+            if rank == 0:
+                self.sched.step(self.x)
+            else:
+                self.sched.step(target=self.y, losses=[])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"saved": meter.peak, "params": parameter_bytes(self.module)}
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=10))
+    rows = []
+    for seq_len in args.seq_lens:
+        configs = {
+            "single 1t": Single(seq_len, args.m, 1),
+            "single 2t": Single(seq_len, args.m, 2),
+            "ours gpipe": Ours(seq_len, args.m, rank, "gpipe"),
+            "ours 1f1b": Ours(seq_len, args.m, rank, "1f1b"),
+            "ours interleaved": Ours(seq_len, args.m, rank, "interleaved_1f1b"),
+            "torch Schedule1F1B": Torch1F1B(seq_len, args.m, rank),
+        }
+        times: dict[str, list[float]] = {k: [] for k in configs}
+        extra: dict[str, dict] = {}
+        for rep in range(args.reps + 1):  # round 0 is the warm-up
+            for name, cfg in configs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                info = cfg.step(rank)
+                dist.barrier()
+                if rep:
+                    times[name].append(time.perf_counter() - t0)
+                    extra[name] = info
+        for name in configs:
+            rows.append((seq_len, name, statistics.median(times[name]), times[name], extra[name]))
+    out.put((rank, rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--m", type=int, default=8, help="micro-batches (= sequences per batch)")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    print(f"torch {torch.__version__}, 2 processes x 1 thread, m={args.m}, medians of {args.reps} interleaved rounds\n")
+    print(
+        "| T | configuration | step s (median) | tokens/s | vs single 1t | vs torch 1F1B | bubble s0 / s1 | params MiB s0 / s1 | peak saved MiB s0 / s1 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for i, (seq_len, name, med, _, info0) in enumerate(results[0]):
+        info1 = results[1][i][4]
+        t = max(med, results[1][i][2])
+        base = next(r[2] for r in results[0] if r[0] == seq_len and r[1] == "single 1t")
+        torch_t = max(r[2] for k in (0, 1) for r in results[k] if r[0] == seq_len and r[1] == "torch Schedule1F1B")
+        tokens = seq_len * args.m / t
+        bubble = f"{info0['bubble']:.2f} / {info1['bubble']:.2f}" if "bubble" in info0 else "-"
+        params = f"{info0['params'] / 2**20:.2f} / {info1['params'] / 2**20:.2f}" if "params" in info0 else "-"
+        saved = f"{info0['saved'] / 2**20:.0f} / {info1.get('saved', 0) / 2**20:.0f}"
+        print(
+            f"| {seq_len} | {name} | {t:.3f} | {tokens:.0f} | {base / t:.2f}x | {torch_t / t:.2f}x | {bubble} | {params} | {saved} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
