@@ -139,3 +139,29 @@ def broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src, group=group)
     return box[0]
+
+
+def any_over_group(flags: list[bool], group: ProcessGroup) -> list[bool]:
+    """Element-wise logical OR of ``flags`` over ``group``."""
+    t = torch.tensor(flags, dtype=torch.uint8)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(x) for x in t.tolist()]
+
+
+def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def group_ranks(group: ProcessGroup) -> list[int]:
+    """Global ranks of ``group``, in group-rank order."""
+    return dist.get_process_group_ranks(group)
+
+
+def sum_of_squares(local: Tensor, group: ProcessGroup) -> Tensor:
+    """``local`` (a scalar of squared norms) summed over ``group`` in float64."""
+    total = local.double().reshape(1)
+    dist.all_reduce(total, group=group)
+    return total[0]

@@ -7,10 +7,12 @@ one; each micro-batch's loss is then weighted by its share of the batch.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
+import torch
 from torch import Tensor, tensor_split
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], list[float]]:
@@ -37,3 +39,13 @@ def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], li
     first_tensor = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.dim() > 0)
     shares = [pieces[first_tensor][i].shape[0] / size for i in range(num_microbatches)]
     return micro, shares
+
+
+def batch_checksum(batch: Any) -> int:
+    """A CRC32 of every tensor in the batch, to check that the ranks of one replica got the same batch."""
+    crc = 0
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, Tensor):
+            raw = leaf.detach().cpu().contiguous().view(-1).view(torch.uint8)  # any dtype, bf16 included
+            crc = zlib.crc32(raw.numpy().tobytes(), crc)
+    return crc

@@ -86,8 +86,9 @@ def place_blocks(num_blocks: int, num_chunks: int, layers_per_chunk: list[int] |
         if any(not isinstance(n, int) or n < 1 for n in layers_per_chunk):
             raise ValueError(f"layers_per_stage={layers_per_chunk}: every stage needs at least one block")
         if sum(layers_per_chunk) != num_blocks:
+            total = sum(layers_per_chunk)
             raise ValueError(
-                f"layers_per_stage={layers_per_chunk} sums to {sum(layers_per_chunk)}, but the trunk has {num_blocks} blocks"
+                f"layers_per_stage={layers_per_chunk} sums to {total}, but the trunk has {num_blocks} blocks"
             )
         counts = list(layers_per_chunk)
     else:

@@ -85,6 +85,32 @@ def reduce_records(recorder: LogRecorder, shares: list[float]) -> list[tuple[str
     return out
 
 
+def replay_logs(
+    module: LightningModule,
+    logged: list[tuple[str, Any, dict]] | None,
+    metrics: MetricStepper,
+    extra: Any,
+    src: int,
+    group: Any,
+    device: torch.device,
+) -> Any:
+    """Broadcast ``logged`` (and ``extra``) from ``src``, settle metric states, call the real
+    ``self.log`` once per name on every rank. Returns ``extra`` as ``src`` had it."""
+    names = {id(m): n for n, m in module.named_modules()}
+    payload = None
+    if logged is not None:  # metrics travel by module name; the objects themselves stay on each rank
+        payload = (
+            extra,
+            [(n, ("metric", names[id(v)]) if isinstance(v, Metric) else v.cpu(), kw) for n, v, kw in logged],
+        )
+    extra, shared = _collectives.broadcast_object(payload, src, group)
+    replay = [(n, module.get_submodule(v[1]) if isinstance(v, tuple) else v.to(device), kw) for n, v, kw in shared]
+    metrics.after_step(replay, src, group)
+    for name, value, kwargs in replay:
+        type(module).log(module, name, value, **kwargs)
+    return extra
+
+
 class MetricStepper:
     """Batch-level values and consistent states for torchmetrics objects under a pipelined step."""
 

@@ -20,13 +20,11 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
@@ -35,12 +33,13 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel.mesh import PP, Size, check_size
-from lightning_parallel.pipeline.microbatch import split_microbatches
+from lightning_parallel.pipeline import gradients
+from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
 from lightning_parallel.pipeline.runtime import PipelineRuntime, call_block
 from lightning_parallel.pipeline.schedules import SCHEDULES, build_schedule
 from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks
 from lightning_parallel.strategies import _checkpoint
-from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records
+from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records, replay_logs
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -116,8 +115,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         return self.parallel_dims.pp - 1 - self.coordinate[PP]
 
     def stage_rank(self, stage: int) -> int:
-        ranks = dist.get_process_group_ranks(self.pp_group)
-        return ranks[self.parallel_dims.pp - 1 - stage]
+        return _collectives.group_ranks(self.pp_group)[self.parallel_dims.pp - 1 - stage]
 
     @property
     def is_loss_stage(self) -> bool:
@@ -196,10 +194,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self._report_placement(trunk.path, placement, parameter_bytes(lm))
 
     def _report_placement(self, path: str, placement: list[range], nbytes: int) -> None:
-        mine = (self.global_rank, self.stage, nbytes)
-        table = [None] * self.world_size
-        dist.all_gather_object(table, mine)
-        self.stage_parameter_bytes = {stage: b for _, stage, b in table[: self.parallel_dims.pp * 1]}
+        table = _collectives.all_gather_object((self.global_rank, self.stage, nbytes))
+        self.stage_parameter_bytes = {stage: b for _, stage, b in table}
         lines = [f"pipeline over {path!r}: {len(placement)} chunks, blocks per chunk {[len(r) for r in placement]}"]
         lines += [f"  rank {r}: stage {s}, {b / 2**20:.2f} MiB of parameters" for r, s, b in table]
         rank_zero_info("\n".join(lines))
@@ -217,9 +213,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         accumulate = lm.trainer.accumulate_grad_batches
         weights = [(s if self._loss_reduction == "mean" else 1.0) / accumulate for s in shares]
         params = [p for p in lm.parameters() if p.device.type != "meta"]
-        stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        saved = gradients.stash(params)  # Lightning zeroes grads after training_step (review C1)
         recorder = LogRecorder()
 
         def step_of(i: int, mb: Any) -> Any:
@@ -234,48 +228,26 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             results = runtime.run(
                 self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], _loss_of, weights
             )
-        self._grad_buffer = {p: p.grad for p in params if p.grad is not None}
-        for p, g in zip(params, stash):
-            p.grad = g
+        self._grad_buffer = gradients.restore(params, saved)
         return self._finish_step(results, recorder, shares)
 
     def _finish_step(self, results: dict, recorder: LogRecorder, shares: list[float]) -> Tensor:
-        """Reduce loss and logs on the loss stage, broadcast them, replay the logs on every rank."""
-        lm = self.lightning_module
-        payload = None
+        """Weight the micro-batch losses on the loss stage; share loss and logs with every rank."""
+        total, logged = None, None
         if self.is_loss_stage:
             losses = torch.stack([results[i][0].double() for i in range(len(shares))])
-            w = (
-                torch.tensor(shares, dtype=torch.float64)
-                if self._loss_reduction == "mean"
-                else torch.ones(len(shares), dtype=torch.float64)
+            weights = torch.tensor(
+                shares if self._loss_reduction == "mean" else [1.0] * len(shares), dtype=torch.float64
             )
-            total = (losses * w).sum().to(results[0][0].dtype)
-            names = {id(m): n for n, m in lm.named_modules()}
+            total = (losses * weights).sum().to(results[0][0].dtype).cpu()
             logged = reduce_records(recorder, shares)
-            payload = (
-                total.cpu(),
-                [(n, ("metric", names[id(v)]) if not isinstance(v, Tensor) else v.cpu(), kw) for n, v, kw in logged],
-            )
         src = self.stage_rank(self.parallel_dims.pp - 1)
-        total, logged = _collectives.broadcast_object(payload, src, self.pp_group)
-        replay = [
-            (n, lm.get_submodule(v[1]) if isinstance(v, tuple) else v.to(self.root_device), kw) for n, v, kw in logged
-        ]
-        self._metrics.after_step(replay, src, self.pp_group)
-        for name, value, kwargs in replay:
-            type(lm).log(lm, name, value, **kwargs)
+        total = replay_logs(self.lightning_module, logged, self._metrics, total, src, self.pp_group, self.root_device)
         return total.to(self.root_device)
 
     def _check_same_batch(self, batch: Any) -> None:
         """Every rank of one replica must train on the same batch (review M6): compare a checksum."""
-        leaves = torch.utils._pytree.tree_leaves(batch)
-        crc = 0
-        for leaf in leaves:
-            if isinstance(leaf, Tensor):
-                crc = zlib.crc32(leaf.detach().cpu().contiguous().numpy().tobytes(), crc)
-        sums = [None] * self.parallel_dims.pp
-        dist.all_gather_object(sums, crc, group=self.pp_group)
+        sums = _collectives.all_gather_object(batch_checksum(batch), self.pp_group)
         if len(set(sums)) > 1:
             raise RuntimeError(
                 f"the pipeline ranks of one replica received different batches (checksums {sums}); the data must be"
@@ -289,11 +261,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         lm = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
-        for p, g in self._grad_buffer.items():
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        gradients.add_(self._grad_buffer)
         self._grad_buffer = {}
         closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
         self.post_backward(closure_loss)
@@ -303,14 +271,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def sync_gradients(self, optimizer: Optimizer) -> None:
         """Sum replicated (pre/post-trunk) gradients over the pipeline group, then average over dp."""
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        replicated = [p for p in self._replicated if id(p) in in_opt]
-        if replicated:
-            has = torch.tensor([p.grad is not None for p in replicated], dtype=torch.uint8)
-            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.pp_group)
-            for p, h in zip(replicated, has.tolist()):
-                if h and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            _collectives.all_reduce_sum_([p.grad for p in replicated if p.grad is not None], self.pp_group)
+        gradients.sum_replicated_([p for p in self._replicated if id(p) in in_opt], self.pp_group)
         super().sync_gradients(optimizer)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
@@ -319,14 +280,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         replicated = {id(p) for p in self._replicated}
         counted = [p.grad for p in params if id(p) not in replicated or self.stage == 0]
-        norms = [torch.linalg.vector_norm(g, 2) for g in counted]
-        local = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros((), device=self.root_device)
-        squared = local.double().pow(2).reshape(1)
-        dist.all_reduce(squared, group=self.pp_group)
-        total = squared.sqrt().to(local.dtype)
-        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+        gradients.clip_grad_norm_(params, counted, clip_val, self.pp_group)
 
     # ----------------------------------------------------------------------------- evaluation
     def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -353,8 +307,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         """The full model's parameters by original name, on every rank (a collective over the pp group)."""
         lm = self.lightning_module
         local = {n: p.detach().cpu().clone() for n, p in lm.named_parameters() if p.device.type != "meta"}
-        parts: list[Any] = [None] * self.parallel_dims.pp
-        dist.all_gather_object(parts, local, group=self.pp_group)
+        parts = _collectives.all_gather_object(local, self.pp_group)
         merged = {k: v for part in parts for k, v in part.items()}
         return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters()}
 

@@ -216,17 +216,17 @@ def _fit_bad(rank, world_size, model_name, strategy_kwargs, trainer_kwargs, batc
         trainer.fit(module, datamodule=data)
 
 
-@pytest.mark.parametrize(
-    "world,strategy_kwargs,trainer_kwargs,batch,model,message",
-    [
+BAD_INPUT = [
         (4, dict(pipeline_parallel_size=4, layers_per_stage=[1, 1, 1, 4]), {}, 8, "gpt", r"layers_per_stage=\[1, 1, 1, 4\] sums to 7, but the trunk has 8"),
         (2, dict(pipeline_parallel_size=2, num_microbatches=16), {}, 8, "gpt", "a batch of 8 samples cannot be split into num_microbatches=16"),
         (2, dict(pipeline_parallel_size=2, schedule="interleaved_1f1b", virtual_stages=3, num_microbatches=2), {}, 8, "gpt",
          "needs the 8 blocks of 'transformer.h' to divide into 6 equal chunks"),
         (2, dict(pipeline_parallel_size=2, num_microbatches=2), {}, 8, "twice", "called trunk 'transformer.h' more than once"),
         (2, dict(pipeline_parallel_size=2, trunk="transformer.ln_f"), {}, 8, "gpt", "trunk='transformer.ln_f' is a LayerNorm"),
-    ],
-)  # fmt: skip
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("world,strategy_kwargs,trainer_kwargs,batch,model,message", BAD_INPUT)
 def test_bad_input_raises_a_clear_error(world, strategy_kwargs, trainer_kwargs, batch, model, message):
     with pytest.raises(RankFailed, match=message):
         run_distributed(_fit_bad, world, model, strategy_kwargs, trainer_kwargs, batch, init_process_group=False)
