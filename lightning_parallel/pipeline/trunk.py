@@ -70,7 +70,7 @@ def discover_trunk(module: nn.Module, trunk: str | None = None) -> Trunk:
             )
         path, container = max(candidates, key=lambda c: _numel(c[1]))
     blocks = list(container.children())
-    params = list(inspect.signature(blocks[0].forward).parameters.values())
+    params = list(inspect.signature(type(blocks[0]).forward).parameters.values())[1:]  # the class's, minus self
     if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
         raise ValueError(f"the blocks of trunk {path!r} ({type(blocks[0]).__name__}) take no hidden-state argument")
     return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name)

@@ -41,7 +41,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
+from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.mesh import DP, PP, ParallelDims, Size, check_size
+from lightning_parallel.recompute import Policy
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,12 @@ class HybridParallelStrategy(ParallelStrategy):
         data_parallel_size: number of model replicas; ``"auto"`` uses every device.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
         timeout: timeout of the process group's collectives.
+        recompute: activation recomputation of the trunk's blocks: ``"none"``, ``"full"``, ``"every_n"``,
+            ``"selective"`` or ``"no_attention"`` (see :mod:`lightning_parallel.recompute`).
+        recompute_every_n: with ``"every_n"``, blocks 0, n, 2n, ... are recomputed.
+        mlp_chunks: run each block's MLP over this many slices of the sequence (1: off).
+        trunk: dotted path of the container of repeated blocks (default: discovered).
+        mlp_module: path of the MLP inside a block, where it is not found by name.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"fork"``/``"spawn"``
             start ranks with multiprocessing.
     """
@@ -69,6 +77,11 @@ class HybridParallelStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(minutes=30),
+        recompute: Policy = "none",
+        recompute_every_n: int = 2,
+        mlp_chunks: int = 1,
+        trunk: Optional[str] = None,
+        mlp_module: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -79,6 +92,11 @@ class HybridParallelStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         check_size(DP, data_parallel_size)  # fail at construction, not at launch
+        recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
+        self._recompute = dict(
+            policy=recompute, every_n=recompute_every_n, mlp_chunks=mlp_chunks, mlp_module=mlp_module
+        )
+        self._trunk_path = trunk
         self._sizes: dict[str, Size] = {"dp": data_parallel_size}
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -184,12 +202,18 @@ class HybridParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._apply_recompute(self.lightning_module)
         self._sync_module_states(self.model)
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _apply_recompute(self, module: torch.nn.Module) -> None:
+        """Recomputation wrappers (and MLP chunking) around the trunk's blocks, when asked for."""
+        if self._recompute["policy"] != "none" or self._recompute["mlp_chunks"] > 1:
+            recompute_lib.apply_recompute(module, trunk=self._trunk_path, **self._recompute)
 
     def _sync_module_states(self, module: torch.nn.Module) -> None:
         """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""

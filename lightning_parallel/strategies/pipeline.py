@@ -35,7 +35,7 @@ from lightning_parallel import _collectives
 from lightning_parallel.mesh import PP, Size, check_size
 from lightning_parallel.pipeline import gradients
 from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
-from lightning_parallel.pipeline.runtime import PipelineRuntime, call_block
+from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import SCHEDULES, build_schedule
 from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks
 from lightning_parallel.strategies import _checkpoint
@@ -43,10 +43,6 @@ from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, r
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-
-
-def _checkpointed_block(block: nn.Module, hidden: Tensor, args: tuple, kwargs: dict) -> Any:
-    return torch.utils.checkpoint.checkpoint(block, hidden, *args, use_reentrant=False, **kwargs)
 
 
 class PipelineParallelStrategy(HybridParallelStrategy):
@@ -59,11 +55,10 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         virtual_stages: model chunks per stage for ``"interleaved_1f1b"`` (default 2 there, else 1).
         layers_per_stage: blocks per chunk, in chunk order (default: balanced).
-        trunk: dotted path of the container of repeated blocks (default: discovered).
         loss_reduction: ``"mean"`` (the loss is a mean over samples: micro-batch losses are weighted by
             their share of the batch) or ``"sum"``.
-        recompute: ``"full"`` re-runs each block's forward in backward (activation checkpointing).
         check_batches: for this many first steps, check that every pipeline rank got the same batch.
+        **kwargs: the arguments of :class:`HybridParallelStrategy` (``recompute=``, ``mlp_chunks=``, ``trunk=``...).
     """
 
     strategy_name = "pipeline"
@@ -76,9 +71,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         schedule: ScheduleName = "1f1b",
         virtual_stages: Optional[int] = None,
         layers_per_stage: Optional[list[int]] = None,
-        trunk: Optional[str] = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
-        recompute: Literal["none", "full"] = "none",
         check_batches: int = 2,
         **kwargs: Any,
     ) -> None:
@@ -93,12 +86,10 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if recompute not in ("none", "full"):
-            raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}")
         self._sizes["pp"] = pipeline_parallel_size
         self._num_microbatches, self._schedule_name, self._virtual = num_microbatches, schedule, virtual_stages
-        self._layers_per_stage, self._trunk_path = layers_per_stage, trunk
-        self._loss_reduction, self._recompute, self._check_batches = loss_reduction, recompute, check_batches
+        self._layers_per_stage = layers_per_stage
+        self._loss_reduction, self._check_batches = loss_reduction, check_batches
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
         self._replicated: list[nn.Parameter] = []
@@ -146,6 +137,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._build_pipeline(lm)
+        self._apply_recompute(lm)  # after placement: wraps the blocks this stage runs
         self._sync_module_states(self.model)
         for metric in MetricStepper(lm, False).metrics.values():
             metric.process_group = self.dp_group  # never count a pipeline replica's samples twice
@@ -187,9 +179,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
                 module.use_nested_tensor = False  # nested tensors cannot cross stages (review H6)
         in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
         self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
-        block_fn = _checkpointed_block if self._recompute == "full" else call_block
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
-        self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device, block_fn)
+        self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
         self._report_placement(trunk.path, placement, parameter_bytes(lm))
 

@@ -1,0 +1,79 @@
+"""Counting activation memory on any device, CPU included: a ``TorchDispatchMode`` that sees every op.
+
+``LiveTensorTracker`` records each storage an op *allocates* (outputs that alias an input, i.e. views,
+are skipped, so a transposed weight is not counted) and drops it when the storage is freed, via a weak
+reference. It therefore counts every live storage once, whoever holds it: autograd's saved tensors,
+selective checkpointing's cache of kept op outputs, the schedule's own buffers. Saved-tensor hooks
+cannot do this: under checkpointing they see only the checkpoint's inputs (review H4).
+
+``kept_for_backward`` is the number the recomputation policies are judged by: bytes still alive after a
+forward, allocated during it (the output included), i.e. what backward will consume.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Live bytes allocated by ops inside the mode: ``current``, ``peak``, ``largest`` single storage,
+    and per-op call ``counts`` (aten kernel executions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}
+        self.current = self.peak = self.largest = 0
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.counts[func] += 1
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view or in-place result: no new storage
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if not key or key in self._live:
+            return
+        self._live[key] = nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        self.largest = max(self.largest, nbytes)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak, self.largest = self.current, 0
+
+
+def kept_for_backward(forward: Callable[[], Any]) -> tuple[int, Any]:
+    """Bytes allocated by ``forward()`` and still alive when it returns (output included), and the output."""
+    tracker = LiveTensorTracker()
+    with tracker:
+        out = forward()
+    return tracker.current, out
+
+
+def time_forward_backward(forward: Callable[[], torch.Tensor], repeats: int = 3) -> float:
+    """Median seconds of ``forward().sum().backward()`` over ``repeats`` runs (after one warm-up)."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        forward().sum().backward()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
