@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 Kind = Literal["F", "B"]
 
@@ -131,7 +131,7 @@ class Simulation:
     makespan: float
     busy: dict[int, float]
     peak_in_flight: dict[int, int]
-    start: dict[tuple[int, Action], float] = field(default_factory=dict)
+    start: dict[tuple[int, Any], float] = field(default_factory=dict)
 
     def bubble(self, stage: int) -> float:
         """Idle fraction of ``stage`` over the whole step."""
@@ -173,25 +173,40 @@ def simulate(
     if seen != want:
         raise ValueError(f"schedule misses {sorted(want - seen)[:5]}")
 
-    done: dict[tuple[str, int, int], float] = {}
+    return simulate_dag(
+        schedule, lambda a: [d] if (d := _dependency(a, num_chunks)) else [], cost, latency, lambda a: a.kind == "F"
+    )
+
+
+def simulate_dag(
+    schedule: dict[int, list],
+    dependencies: Callable[[Any], list[tuple]],
+    cost: Callable[[Any], float],
+    latency: float,
+    is_forward: Callable[[Any], bool],
+) -> Simulation:
+    """Execute per-stage action lists on a virtual clock: an action starts when its stage is free and
+    every action it depends on has finished (+ ``latency`` when that ran on another stage; sends never
+    block). Raise ``ValueError`` if no stage can move (a deadlock)."""
+    done: dict[tuple, tuple[float, int]] = {}
     clock, busy = dict.fromkeys(schedule, 0.0), dict.fromkeys(schedule, 0.0)
-    pos, live = dict.fromkeys(schedule, 0), dict.fromkeys(schedule, 0)
-    peak = dict.fromkeys(schedule, 0)
-    start: dict[tuple[int, Action], float] = {}
+    pos, live, peak = dict.fromkeys(schedule, 0), dict.fromkeys(schedule, 0), dict.fromkeys(schedule, 0)
+    start: dict[tuple[int, Any], float] = {}
     while any(pos[s] < len(schedule[s]) for s in schedule):
         progressed = False
         for s, actions in schedule.items():
             while pos[s] < len(actions):
                 a = actions[pos[s]]
-                dep = _dependency(a, num_chunks)
-                if dep is not None and dep not in done:
+                deps = dependencies(a)
+                if any(d not in done for d in deps):
                     break
-                t0 = max(clock[s], done[dep] + latency if dep is not None else 0.0)
+                ready = [done[d][0] + (latency if done[d][1] != s else 0.0) for d in deps]
+                t0 = max([clock[s], *ready])
                 start[(s, a)] = t0
                 clock[s] = t0 + cost(a)
                 busy[s] += cost(a)
-                done[(a.kind, a.microbatch, a.chunk)] = clock[s]
-                live[s] += 1 if a.kind == "F" else -1
+                done[tuple(a)] = (clock[s], s)
+                live[s] += 1 if is_forward(a) else -1
                 peak[s] = max(peak[s], live[s])
                 pos[s] += 1
                 progressed = True
