@@ -1,0 +1,42 @@
+"""Llama-style blocks: ``input_layernorm``, ``self_attn.{q,k,v,o}_proj`` with grouped-query attention and
+rotary embeddings passed in as ``(cos, sin)``, ``post_attention_layernorm``, ``mlp``; causal SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAdapter:
+    name = "llama"
+
+    def matches(self, block: nn.Module) -> bool:
+        attn = getattr(block, "self_attn", None)
+        return all(hasattr(block, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")) and all(
+            isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        )
+
+    def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
+        attn = block.self_attn
+        cos, sin = args[0], args[1]
+        B, T, _ = x.shape
+        h = block.input_layernorm(x)
+        q = attn.q_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return (q, k, v), x
+
+    def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+    def post(self, block: nn.Module, out: Tensor, residual: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        B, _, T, _ = out.shape
+        x = residual + block.self_attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return x + block.mlp(block.post_attention_layernorm(x))

@@ -1,0 +1,34 @@
+"""nanoGPT / GPT-2-style blocks: ``ln_1``, ``attn.c_attn`` (fused q|k|v), ``attn.c_proj``, ``ln_2``, ``mlp``;
+causal SDPA over ``attn.n_head`` heads."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class NanoGPTAdapter:
+    name = "nanogpt"
+
+    def matches(self, block: nn.Module) -> bool:
+        attn = getattr(block, "attn", None)
+        return all(hasattr(block, n) for n in ("ln_1", "ln_2", "mlp")) and all(
+            isinstance(getattr(attn, n, None), nn.Linear) for n in ("c_attn", "c_proj")
+        )
+
+    def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
+        attn = block.attn
+        B, T, C = x.shape
+        q, k, v = attn.c_attn(block.ln_1(x)).split(C, dim=2)
+        heads = lambda t: t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)  # noqa: E731  (B, nh, T, hs)
+        return (heads(q), heads(k), heads(v)), x
+
+    def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        p = block.attn.dropout if block.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+    def post(self, block: nn.Module, out: Tensor, residual: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        B, nh, T, hs = out.shape
+        y = out.transpose(1, 2).contiguous().view(B, T, nh * hs)
+        x = residual + block.attn.resid_dropout(block.attn.c_proj(y))
+        return x + block.mlp(block.ln_2(x))

@@ -1,0 +1,43 @@
+"""``torch.nn.TransformerEncoderLayer`` (pre- or post-norm, batch-first or not): ``self_attn`` keeps q, k, v
+in the bare ``in_proj_weight``; no masks (a masked call is refused by verification)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class TorchEncoderAdapter:
+    name = "torch_encoder"
+
+    def matches(self, block: nn.Module) -> bool:
+        return isinstance(block, nn.TransformerEncoderLayer)
+
+    def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
+        if args or any(v is not None and v is not False for v in kwargs.values()):
+            raise ValueError("the torch_encoder adapter supports unmasked calls only")
+        mha = block.self_attn
+        h = block.norm1(x) if block.norm_first else x
+        if not mha.batch_first:
+            h = h.transpose(0, 1)  # (B, T, E)
+        B, T, E = h.shape
+        q, k, v = F.linear(h, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+        heads = lambda t: t.view(B, T, mha.num_heads, E // mha.num_heads).transpose(1, 2)  # noqa: E731
+        return (heads(q), heads(k), heads(v)), x
+
+    def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        p = block.self_attn.dropout if block.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+
+    def post(self, block: nn.Module, out: Tensor, residual: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        mha = block.self_attn
+        B, nh, T, hd = out.shape
+        sa = mha.out_proj(out.transpose(1, 2).reshape(B, T, nh * hd))
+        if not mha.batch_first:
+            sa = sa.transpose(0, 1)
+        sa = block.dropout1(sa)
+        if block.norm_first:
+            x = residual + sa
+            return x + block._ff_block(block.norm2(x))
+        x = block.norm1(residual + sa)
+        return block.norm2(x + block._ff_block(x))
