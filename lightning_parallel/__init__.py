@@ -5,7 +5,7 @@ Lightning's ``StrategyRegistry``; Lightning has no entry-point discovery for str
 """
 
 from lightning_parallel.mesh import AXES, ParallelDims
-from lightning_parallel.strategies import HybridParallelStrategy, PipelineParallelStrategy
+from lightning_parallel.strategies import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 
-__all__ = ["AXES", "HybridParallelStrategy", "ParallelDims", "PipelineParallelStrategy"]
+__all__ = ["AXES", "HelixParallelStrategy", "HybridParallelStrategy", "ParallelDims", "PipelineParallelStrategy"]
 __version__ = "0.1.0"

@@ -27,7 +27,6 @@ forward and backward (autograd keeps one 1/k-sized tensor per slice).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -93,9 +92,8 @@ def apply_recompute(
             _chunk_mlp(block, mlp_chunks, mlp_module)
         if policy == "none" or (policy == "every_n" and j % every_n):
             continue
-        original = block.__dict__.get("forward", type(block).forward.__get__(block))
         block._lp_original_forward = block.__dict__.get("forward")
-        block.forward = _Recomputed(original, "full" if policy == "every_n" else policy, type(block).__name__)
+        block.forward = _Recomputed(block, "full" if policy == "every_n" else policy)
     return module
 
 
@@ -111,10 +109,14 @@ def _restore(block: nn.Module) -> None:
 
 
 class _Recomputed:
-    """A block forward run under ``torch.utils.checkpoint`` with the policy's selective contexts."""
+    """A block forward run under ``torch.utils.checkpoint`` with the policy's selective contexts.
 
-    def __init__(self, forward: Callable[..., Any], policy: str, block_name: str) -> None:
-        self.forward, self.policy, self.block_name = forward, policy, block_name
+    It holds the block itself (not a bound method), so a ``copy.deepcopy`` of the block gets a wrapper
+    that runs the copy."""
+
+    def __init__(self, block: nn.Module, policy: str) -> None:
+        self.block, self.policy, self.block_name = block, policy, type(block).__name__
+        self._inner = block.__dict__.get("_lp_original_forward")  # an instance forward that was there before
         self.keep = set()
         if policy == "selective":
             self.keep = attention_ops() | MATMUL_OPS
@@ -128,6 +130,11 @@ class _Recomputed:
             self._saw_attention = True
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._inner is not None:
+            return self._inner(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.policy == "full":
@@ -151,19 +158,27 @@ _MLP_NAMES = ("mlp", "feed_forward", "ffn", "ff")
 
 def _chunk_mlp(block: nn.Module, chunks: int, mlp_module: str | None) -> None:
     owner, name, dim = _locate_mlp(block, chunks, mlp_module)
-    original = getattr(owner, name)
-
-    def chunked(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        length = x.shape[dim]
-        if chunks > length:
-            raise ValueError(
-                f"mlp_chunks={chunks} is larger than the sequence: the MLP input {tuple(x.shape)} of"
-                f" {type(block).__name__} has {length} tokens along dim {dim}"
-            )
-        return torch.cat([original(part, *args, **kwargs) for part in torch.tensor_split(x, chunks, dim=dim)], dim=dim)
-
-    setattr(owner, name, chunked)
+    setattr(owner, name, _ChunkedMLP(owner, name, chunks, dim, type(block).__name__))
     block.__dict__.setdefault("_lp_chunked", []).append((owner, name))
+
+
+class _ChunkedMLP:
+    """``owner.<name>`` run over ``chunks`` slices of the sequence; holds ``owner`` itself so that a deep
+    copy of the block runs the copy's MLP."""
+
+    def __init__(self, owner: nn.Module, name: str, chunks: int, dim: int, block_name: str) -> None:
+        self.owner, self.name, self.chunks, self.dim, self.block_name = owner, name, chunks, dim, block_name
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        length = x.shape[self.dim]
+        if self.chunks > length:
+            raise ValueError(
+                f"mlp_chunks={self.chunks} is larger than the sequence: the MLP input {tuple(x.shape)} of"
+                f" {self.block_name} has {length} tokens along dim {self.dim}"
+            )
+        original = getattr(type(self.owner), self.name)
+        parts = torch.tensor_split(x, self.chunks, dim=self.dim)
+        return torch.cat([original(self.owner, part, *args, **kwargs) for part in parts], dim=self.dim)
 
 
 def _locate_mlp(block: nn.Module, chunks: int, mlp_module: str | None) -> tuple[nn.Module, str, int]:

@@ -29,6 +29,10 @@ from lightning_parallel.adapters.torch_encoder import TorchEncoderAdapter
 class BlockAdapter(Protocol):
     name: str
 
+    def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
+        """Submodules/parameters ``pre`` uses; ``post`` uses the rest of the block."""
+        ...
+
     def matches(self, block: nn.Module) -> bool: ...
 
     def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]: ...
@@ -56,6 +60,12 @@ def find_adapter(block: nn.Module, adapter: str | BlockAdapter | None = None) ->
         f"no adapter knows the anatomy of {type(block).__name__}; known adapters: {sorted(ADAPTERS)};"
         " pass adapter= (a name or an object with pre/attention/post)"
     )
+
+
+def pre_parameters(adapter: BlockAdapter, block: nn.Module) -> set[str]:
+    """Names (relative to the block) of the parameters ``pre`` uses; the others belong to ``post``."""
+    names = {n for n, _ in block.named_parameters()}
+    return {n for n in names if any(n == m or n.startswith(m + ".") for m in adapter.pre_modules(block))}
 
 
 def split_forward(adapter: BlockAdapter, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
@@ -99,9 +109,10 @@ def verify_adapter(
     ]
     if problems:
         raise ValueError(
-            f"adapter {getattr(adapter, 'name', adapter)!r} does not reproduce {type(block).__name__}: {', '.join(problems[:4])}"
-            " differ(s) from the block's own forward; pass adapter= with one that matches this block family"
+            f"adapter {getattr(adapter, 'name', adapter)!r} does not reproduce {type(block).__name__}:"
+            f" {', '.join(problems[:4])} differ(s) from the block's own forward; pass adapter= with one that"
+            " matches this block family"
         )
 
 
-__all__ = ["ADAPTERS", "BlockAdapter", "find_adapter", "split_forward", "verify_adapter"]
+__all__ = ["ADAPTERS", "BlockAdapter", "find_adapter", "pre_parameters", "split_forward", "verify_adapter"]

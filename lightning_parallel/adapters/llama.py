@@ -16,6 +16,9 @@ def _rotate_half(x: Tensor) -> Tensor:
 class LlamaAdapter:
     name = "llama"
 
+    def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
+        return ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
     def matches(self, block: nn.Module) -> bool:
         attn = getattr(block, "self_attn", None)
         return all(hasattr(block, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")) and all(

@@ -10,6 +10,9 @@ from torch import Tensor, nn
 class NanoGPTAdapter:
     name = "nanogpt"
 
+    def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
+        return ("ln_1", "attn.c_attn")
+
     def matches(self, block: nn.Module) -> bool:
         attn = getattr(block, "attn", None)
         return all(hasattr(block, n) for n in ("ln_1", "ln_2", "mlp")) and all(

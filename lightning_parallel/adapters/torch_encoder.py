@@ -10,6 +10,9 @@ from torch import Tensor, nn
 class TorchEncoderAdapter:
     name = "torch_encoder"
 
+    def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
+        return ("self_attn.in_proj_weight", "self_attn.in_proj_bias") + (("norm1",) if block.norm_first else ())
+
     def matches(self, block: nn.Module) -> bool:
         return isinstance(block, nn.TransformerEncoderLayer)
 

@@ -89,11 +89,8 @@ class PipelineRuntime:
         self._like_known = False
         self.phase: str | None = None  # "capture" or "loss" while the user's step runs inside the schedule
         self.timeline: list[TimelineEvent] = []
-        self._freed = (
-            next(j for j in range(len(trunk)) if not any(j in chunk_blocks[c] for c in self.local_chunks))
-            if self.num_stages > 1
-            else None
-        )
+        local = {j for c in self.local_chunks for j in chunk_blocks[c]}
+        self._freed = next((j for j in range(len(trunk)) if j not in local), None)  # a block on meta, if any
 
     def rank_of(self, chunk: int) -> int:
         return self.stage_ranks[chunk % self.num_stages]

@@ -109,8 +109,13 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         return _collectives.group_ranks(self.pp_group)[self.parallel_dims.pp - 1 - stage]
 
     @property
+    def loss_stage(self) -> int:
+        """The stage that runs the user's post-trunk code and loss (the last one here)."""
+        return self.parallel_dims.pp - 1
+
+    @property
     def is_loss_stage(self) -> bool:
-        return self.stage == self.parallel_dims.pp - 1
+        return self.stage == self.loss_stage
 
     @override
     def _configure_launcher(self) -> None:
@@ -232,7 +237,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             )
             total = (losses * weights).sum().to(results[0][0].dtype).cpu()
             logged = reduce_records(recorder, shares)
-        src = self.stage_rank(self.parallel_dims.pp - 1)
+        src = self.stage_rank(self.loss_stage)
         total = replay_logs(self.lightning_module, logged, self._metrics, total, src, self.pp_group, self.root_device)
         return total.to(self.root_device)
 

@@ -191,3 +191,13 @@ def test_bad_input():
     apply_recompute(holder, "no_attention")
     with pytest.raises(ValueError, match="recompute='no_attention': no attention kernel ran inside NoMLP"):
         holder.blocks[0](torch.randn(2, 4, 8, requires_grad=True))
+
+
+@pytest.mark.parametrize("policy,chunks", [("no_attention", 1), ("none", 4), ("full", 2)])
+def test_a_deep_copy_of_a_wrapped_model_runs_the_copy(policy, chunks):
+    # adapter verification deep-copies blocks: the copy must not run (or send gradients to) the original
+    model = apply_recompute(_model("gpt"), policy, mlp_chunks=chunks)
+    clone = copy.deepcopy(model).float()
+    _loss(clone, "gpt", _batch("gpt")).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in clone.transformer.h.parameters())

@@ -1,0 +1,206 @@
+"""``HelixParallelStrategy`` (``strategy="helix"``): HelixPipe (Zhang et al., arXiv 2507.00394), the
+attention-parallel pipeline, for an unchanged LightningModule.
+
+Layer k's attention for the micro-batch at group offset d runs on stage (k + d) mod p, so the
+attentions of one group run on all stages at once and attention leaves the pipeline's fill and drain;
+param chunks ``post-attention(j) + pre-attention(j+1)`` run on stage j mod p; micro-batches go in the
+two-fold first-in-last-out order (``pipeline/helix_schedule.py``). The block is split by a family adapter
+(``lightning_parallel.adapters``), verified on the first real micro-batch against the block's own
+forward and gradients before anything is freed. Each parameter then lives on exactly one stage: a
+block's pre-attention part on stage (k-1) mod p, the rest on stage k mod p. Defaults: recomputation
+without attention and a chunked MLP (both switchable). The loss stage is stage 0 (global rank 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from lightning_parallel import _collectives
+from lightning_parallel.adapters import BlockAdapter, find_adapter, pre_parameters, verify_adapter
+from lightning_parallel.mesh import PP, Size
+from lightning_parallel.pipeline.capture import capture
+from lightning_parallel.pipeline.helix_runtime import HelixRuntime
+from lightning_parallel.pipeline.helix_schedule import check_sizes, helix
+from lightning_parallel.pipeline.microbatch import split_microbatches
+from lightning_parallel.pipeline.trunk import discover_trunk, parameter_bytes
+from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording
+from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+
+
+class HelixParallelStrategy(PipelineParallelStrategy):
+    """HelixPipe over ``pipeline_parallel_size`` stages (x ``data_parallel_size`` replicas).
+
+    Args:
+        pipeline_parallel_size: stages; ``"auto"``: every device not used for dp.
+        data_parallel_size: replicas (default 1).
+        num_microbatches: micro-batches per batch, a multiple of ``pipeline_parallel_size * folds``
+            (default: exactly that).
+        folds: 2 (two-fold: one micro-batch's messages overlap the other's compute) or 1.
+        adapter: block-family adapter name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``) or object;
+            default: found from the block.
+        recompute: ``"no_attention"`` (default: param chunks recomputed, attention kept) or ``"none"``.
+        mlp_chunks: run each block's MLP over this many sequence slices (default 2; 1 turns it off).
+        **kwargs: ``loss_reduction``, ``trunk``, ``check_batches`` and the base strategy's arguments.
+    """
+
+    strategy_name = "helix"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: Size = "auto",
+        data_parallel_size: Size = 1,
+        num_microbatches: Optional[int] = None,
+        folds: int = 2,
+        adapter: Optional[str] = None,
+        recompute: Literal["no_attention", "none"] = "no_attention",
+        mlp_chunks: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        if recompute not in ("no_attention", "none"):
+            raise ValueError(
+                f"helix recomputes everything but attention ('no_attention') or nothing ('none'); got {recompute!r}"
+            )
+        if folds not in (1, 2):
+            raise ValueError(f"folds must be 1 or 2, got {folds!r}")
+        super().__init__(
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            num_microbatches=num_microbatches,
+            mlp_chunks=mlp_chunks,
+            **kwargs,
+        )
+        self._folds, self._adapter_arg, self._helix_recompute = folds, adapter, recompute == "no_attention"
+        self._adapter: Optional[BlockAdapter] = None
+        self._placed = False
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches or self.parallel_dims.pp * self._folds
+
+    @property
+    def stage(self) -> int:
+        return self.coordinate[PP]  # the loss chunk P_L runs on stage 0: global rank 0 holds the loss
+
+    def stage_rank(self, stage: int) -> int:
+        return _collectives.group_ranks(self.pp_group)[stage]
+
+    @property
+    def loss_stage(self) -> int:
+        return 0
+
+    @override
+    def _configure_launcher(self) -> None:
+        if getattr(self.precision_plugin, "precision", None) == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' is not supported under pipeline parallelism; use 'bf16-mixed' or '32-true'"
+            )
+        HybridParallelStrategy._configure_launcher(self)
+        p, m = self.parallel_dims.pp, self.num_microbatches
+        if m % (p * self._folds):
+            raise ValueError(
+                f"helix needs num_microbatches ({m}) to be a multiple of pipeline_parallel_size x folds"
+                f" ({p} x {self._folds} = {p * self._folds})"
+            )
+
+    @override
+    def _build_pipeline(self, lm: nn.Module) -> None:
+        dims = self.parallel_dims
+        trunk = discover_trunk(lm, self._trunk_path)
+        check_sizes(dims.pp, len(trunk), self.num_microbatches, self._folds)
+        self._adapter = find_adapter(trunk.blocks[0], self._adapter_arg)
+        in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
+        self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
+        ranks = [self.stage_rank(s) for s in range(dims.pp)]
+        self.runtime = HelixRuntime(
+            trunk, [range(len(trunk))], self.stage, ranks, self.pp_group, self.root_device,
+            adapter=self._adapter, folds=self._folds, recompute=self._helix_recompute,
+        )  # fmt: skip
+        self.runtime.quiet_step = self._quiet
+        self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
+        self._metrics = MetricStepper(lm, self.is_loss_stage)
+
+    @override
+    def _apply_recompute(self, module: nn.Module) -> None:
+        # helix recomputes inside its runtime (param chunks under checkpoint); only the MLP chunking is applied here
+        if self._recompute["mlp_chunks"] > 1:
+            from lightning_parallel.recompute import apply_recompute
+
+            apply_recompute(
+                module,
+                "none",
+                mlp_chunks=self._recompute["mlp_chunks"],
+                trunk=self._trunk_path,
+                mlp_module=self._recompute["mlp_module"],
+            )
+
+    def _quiet(self, step: Any) -> Any:
+        """Re-run the user's step in a backward action: no logging, metric states left as they were."""
+        states = {n: m.metric_state for n, m in self._metrics.metrics.items()}
+        saved = {
+            n: (
+                {k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in s.items()},
+                self._metrics.metrics[n]._update_count,
+            )
+            for n, s in states.items()
+        }
+        try:
+            return step()
+        finally:
+            for n, (state, count) in saved.items():
+                metric = self._metrics.metrics[n]
+                for k, v in state.items():
+                    setattr(metric, k, v)
+                metric._update_count = count
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._placed:
+            self._verify_and_place(args[0], args[1:], kwargs)
+        return super().training_step(*args, **kwargs)
+
+    def _verify_and_place(self, batch: Any, rest: tuple, kwargs: dict) -> None:
+        """Verify the adapter on the first real micro-batch (every rank still holds the whole model),
+        then free what this stage does not run and drop it from the optimizers."""
+        lm, runtime = self.lightning_module, self.runtime
+        assert lm is not None and runtime is not None and self._adapter is not None
+        micro, _ = split_microbatches(batch, self.num_microbatches)
+        with torch.random.fork_rng(), recording(lm, LogRecorder()), self.precision_plugin.train_step_context():
+            cap = capture(runtime.trunk, lambda: lm.training_step(micro[0], *rest, **kwargs), None)
+        args, kw = cap.block_args[0]
+        verify_adapter(self._adapter, runtime.trunk.blocks[0], cap.trunk_input, args, kw)
+        p, freed = self.parallel_dims.pp, set()
+        for i, block in enumerate(runtime.trunk.blocks):  # layer k = i + 1
+            pre = pre_parameters(self._adapter, block)
+            for name, param in list(block.named_parameters()):
+                owner = i % p if name in pre else (i + 1) % p
+                if owner != self.stage:
+                    freed.add(id(param))
+                    _free_parameter(block, name)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [q for q in group["params"] if id(q) not in freed]
+        self._placed = True
+        self._report_placement(runtime.trunk.path, [range(len(runtime.trunk))], parameter_bytes(lm))
+
+    @classmethod
+    def register(cls) -> None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        StrategyRegistry.register(
+            cls.strategy_name,
+            cls,
+            description="lightning-parallel: HelixPipe attention-parallel pipeline",
+            override=True,
+        )
+
+
+def _free_parameter(block: nn.Module, name: str) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = block.get_submodule(owner_name) if owner_name else block
+    old = getattr(owner, attr)
+    setattr(owner, attr, nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad))
