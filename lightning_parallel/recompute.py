@@ -177,7 +177,8 @@ class _ChunkedMLP:
                 f" {self.block_name} has {length} tokens along dim {self.dim}"
             )
         original = getattr(type(self.owner), self.name)
-        parts = torch.tensor_split(x, self.chunks, dim=self.dim)
+        # contiguous: a slice along the sequence of a (B, T, H) batch is not, and some MLPs .view() their input
+        parts = [part.contiguous() for part in torch.tensor_split(x, self.chunks, dim=self.dim)]
         return torch.cat([original(self.owner, part, *args, **kwargs) for part in parts], dim=self.dim)
 
 

@@ -79,7 +79,12 @@ def verify_adapter(
     """Check ``adapter`` against ``block``'s own forward: output, input gradient and every parameter
     gradient, in float64 on copies; raise ``ValueError`` (naming the class and ``adapter=``) if they differ."""
     kwargs = kwargs or {}
-    to64 = lambda t: t.detach().double() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+
+    def to64(t: object) -> object:
+        if isinstance(t, (tuple, list)):
+            return type(t)(to64(x) for x in t)
+        return t.detach().double() if isinstance(t, Tensor) and t.is_floating_point() else t
+
     ref_block = copy.deepcopy(block).double()
     split_block = copy.deepcopy(block).double()
     a64, kw64 = tuple(map(to64, args)), {k: to64(v) for k, v in kwargs.items()}

@@ -1,5 +1,7 @@
-"""Llama-style blocks: ``input_layernorm``, ``self_attn.{q,k,v,o}_proj`` with grouped-query attention and
-rotary embeddings passed in as ``(cos, sin)``, ``post_attention_layernorm``, ``mlp``; causal SDPA."""
+"""Llama-style blocks: ``input_layernorm``, ``self_attn.{q,k,v,o}_proj`` with grouped-query attention,
+rotary embeddings passed in as ``(cos, sin)`` positionally or as Hugging Face's
+``position_embeddings=(cos, sin)``, ``post_attention_layernorm``, ``mlp``; causal SDPA, or masked where
+the caller passes ``attention_mask``."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ class LlamaAdapter:
 
     def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
         attn = block.self_attn
-        cos, sin = args[0], args[1]
+        cos, sin = (args[0], args[1]) if args else kwargs["position_embeddings"]
+        if cos.dim() == 3:  # Hugging Face: (B, T, head_dim) -> broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         B, T, _ = x.shape
         h = block.input_layernorm(x)
         q = attn.q_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
@@ -37,7 +41,12 @@ class LlamaAdapter:
         return (q, k, v), x
 
     def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        mask = kwargs.get("attention_mask")
+        dropout = getattr(block.self_attn, "attention_dropout", 0.0) if block.training else 0.0
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1],
+            scale=getattr(block.self_attn, "scaling", None),
+        )  # fmt: skip
 
     def post(self, block: nn.Module, out: Tensor, residual: Tensor, args: tuple, kwargs: dict) -> Tensor:
         B, _, T, _ = out.shape

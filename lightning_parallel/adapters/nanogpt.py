@@ -1,5 +1,6 @@
-"""nanoGPT / GPT-2-style blocks: ``ln_1``, ``attn.c_attn`` (fused q|k|v), ``attn.c_proj``, ``ln_2``, ``mlp``;
-causal SDPA over ``attn.n_head`` heads."""
+"""nanoGPT / GPT-2-style blocks: ``ln_1``, ``attn.c_attn`` (fused q|k|v; ``nn.Linear`` or Hugging Face's
+``Conv1D``), ``attn.c_proj``, ``ln_2``, ``mlp``; causal SDPA, or masked where the caller passes
+``attention_mask`` (Hugging Face GPT-2, which also carries its own ``scaling`` and ``attn_dropout``)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,25 @@ class NanoGPTAdapter:
     def matches(self, block: nn.Module) -> bool:
         attn = getattr(block, "attn", None)
         return all(hasattr(block, n) for n in ("ln_1", "ln_2", "mlp")) and all(
-            isinstance(getattr(attn, n, None), nn.Linear) for n in ("c_attn", "c_proj")
+            isinstance(getattr(attn, n, None), nn.Module) for n in ("c_attn", "c_proj")
         )
 
     def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
         attn = block.attn
         B, T, C = x.shape
+        n_head = getattr(attn, "n_head", None) or attn.num_heads
         q, k, v = attn.c_attn(block.ln_1(x)).split(C, dim=2)
-        heads = lambda t: t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)  # noqa: E731  (B, nh, T, hs)
+        heads = lambda t: t.view(B, T, n_head, C // n_head).transpose(1, 2)  # noqa: E731  (B, nh, T, hs)
         return (heads(q), heads(k), heads(v)), x
 
     def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
-        p = block.attn.dropout if block.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        attn = block.attn
+        dropout = attn.attn_dropout.p if hasattr(attn, "attn_dropout") else attn.dropout
+        mask = kwargs.get("attention_mask")
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout if block.training else 0.0, is_causal=mask is None,
+            scale=getattr(attn, "scaling", None),
+        )  # fmt: skip
 
     def post(self, block: nn.Module, out: Tensor, residual: Tensor, args: tuple, kwargs: dict) -> Tensor:
         B, nh, T, hs = out.shape

@@ -144,3 +144,45 @@ class TwoPassGPT(GPT):
         idx, targets = batch
         a, b = self(idx), self(idx.flip(1))
         return F.cross_entropy(a.flatten(0, 1), targets.flatten()) + F.cross_entropy(b.flatten(0, 1), targets.flatten())
+
+
+class HFCausalLM(L.LightningModule):
+    """An unchanged Hugging Face causal LM (``LlamaForCausalLM`` or ``GPT2LMHeadModel``, small config, no
+    download) trained the ordinary way: logits from ``self.model(input_ids=...)``, cross-entropy."""
+
+    def __init__(
+        self,
+        family: str = "llama",
+        vocab_size: int = 65,
+        num_layers: int = 8,
+        lr: float = 1e-3,
+        optimizer: str = "adamw",
+    ) -> None:
+        super().__init__()
+        import transformers
+
+        if family == "llama":
+            config = transformers.LlamaConfig(
+                vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            )  # fmt: skip
+            self.model = transformers.LlamaForCausalLM(config)
+        else:
+            config = transformers.GPT2Config(
+                vocab_size=vocab_size, n_embd=32, n_layer=num_layers, n_head=4, n_positions=64,
+                attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+            )  # fmt: skip
+            self.model = transformers.GPT2LMHeadModel(config)
+        self.lr, self.opt = lr, optimizer
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self.model(input_ids=idx).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        if self.opt == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)

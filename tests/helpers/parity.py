@@ -93,6 +93,11 @@ def build(
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         layers = 4 if model == "hf4" else 8
         return HFStyleDecoder(vocab_size=data.vocab_size, num_layers=layers, lr=kwargs["lr"], optimizer=optimizer), data
+    if model in ("hf-llama", "hf-gpt2"):
+        from tests.helpers.models import HFCausalLM
+
+        data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        return HFCausalLM(model[3:], vocab_size=data.vocab_size, lr=kwargs["lr"], optimizer=optimizer), data
     if model == "twice":
         from tests.helpers.models import TwoPassGPT
 
