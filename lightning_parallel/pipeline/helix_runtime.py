@@ -49,28 +49,24 @@ class HelixRuntime(PipelineRuntime):
         return self.stage_ranks[stage]
 
     # ------------------------------------------------------------------------------ messages
-    def _tag(self, kind: str, index: int, microbatch: int, slot: int = 0) -> int:  # type: ignore[override]
-        return ((microbatch * (self.num_layers + 2) + index) * 4 + _KINDS[kind]) * 8 + slot
+    def _tag(self, kind: str, index: int, microbatch: int) -> int:  # type: ignore[override]
+        return (microbatch * (self.num_layers + 2) + index) * 4 + _KINDS[kind]
 
     def _send(self, tensors: list[Tensor], stage: int, kind: str, index: int, mb: int) -> None:
         if stage == self.stage:
             self._local[(kind, index, mb)] = [t.detach() for t in tensors]
             return
-        for slot, t in enumerate(tensors):
-            self._sends += _collectives.isend_with_header(
-                t, self.rank_of_stage(stage), self._tag(kind, index, mb, slot), self.group
-            )
+        dst = self.rank_of_stage(stage)
+        self._sends += _collectives.isend_packed(tensors, dst, self._tag(kind, index, mb), self.group)
 
     def _recv(self, n: int, stage: int, kind: str, index: int, mb: int) -> tuple[list[Tensor], float]:
         if stage == self.stage:
             return [t.requires_grad_(True) for t in self._local.pop((kind, index, mb))], 0.0
-        t0, out = time.perf_counter(), []
-        for slot in range(n):
-            t, _ = _collectives.recv_with_header(
-                self.rank_of_stage(stage), self._tag(kind, index, mb, slot), self.group, self.device
-            )
-            out.append(t.requires_grad_(True))
-        return out, time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = _collectives.recv_packed(self.rank_of_stage(stage), self._tag(kind, index, mb), self.group, self.device)
+        if len(out) != n:
+            raise RuntimeError(f"expected {n} tensors for {kind} of layer {index}, micro-batch {mb}; got {len(out)}")
+        return [t.requires_grad_(True) for t in out], time.perf_counter() - t0
 
     # --------------------------------------------------------------------------------- steps
     def run(self, actions, steps, loss_of, loss_weights):  # type: ignore[override]
@@ -214,18 +210,13 @@ class HelixRuntime(PipelineRuntime):
                     x = hidden if i == 0 else state["x"]
                     (q, k, v), r = self.adapter.pre(block, x, args, kwargs)
                     if post_stage != pre_stage:
-                        for slot, t in enumerate((q, k, v, r)):
-                            sends.extend(
-                                _collectives.isend_with_header(
-                                    t, self.rank_of_stage(post_stage), tag + slot, self.group
-                                )
-                            )
+                        sends.extend(
+                            _collectives.isend_packed([q, k, v, r], self.rank_of_stage(post_stage), tag, self.group)
+                        )
                 if self.stage == post_stage:
                     if post_stage != pre_stage:
                         src = self.rank_of_stage(pre_stage)
-                        q, k, v, r = (
-                            _collectives.recv_with_header(src, tag + s, self.group, self.device)[0] for s in range(4)
-                        )
+                        q, k, v, r = _collectives.recv_packed(src, tag, self.group, self.device)
                     out = self.adapter.attention(block, q, k, v, args, kwargs)
                     state["x"] = self.adapter.post(block, out, r, args, kwargs)
                 if i == L - 1:

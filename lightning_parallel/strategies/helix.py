@@ -185,7 +185,8 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             for group in opt.param_groups:
                 group["params"] = [q for q in group["params"] if id(q) not in freed]
         self._placed = True
-        self._report_placement(runtime.trunk.path, [range(len(runtime.trunk))], parameter_bytes(lm))
+        layers = len(runtime.trunk)
+        self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], parameter_bytes(lm))
 
     @classmethod
     def register(cls) -> None:

@@ -192,7 +192,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def _report_placement(self, path: str, placement: list[range], nbytes: int) -> None:
         table = _collectives.all_gather_object((self.global_rank, self.stage, nbytes))
         self.stage_parameter_bytes = {stage: b for _, stage, b in table}
-        lines = [f"pipeline over {path!r}: {len(placement)} chunks, blocks per chunk {[len(r) for r in placement]}"]
+        sizes = [len(r) for r in placement]
+        lines = [f"{self.strategy_name} over {path!r}: {len(placement)} chunks, blocks per chunk {sizes}"]
         lines += [f"  rank {r}: stage {s}, {b / 2**20:.2f} MiB of parameters" for r, s, b in table]
         rank_zero_info("\n".join(lines))
 

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from examples.models import EncoderClassifier
-from lightning_parallel import PipelineParallelStrategy
+from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import RankFailed, run_distributed
 from tests.helpers.parity import _OneReplicaSampler, build
 
@@ -39,7 +39,11 @@ def _fit_and_validate(rank, world_size, pipelined):
     module, data = build("encoder", 8, "adamw")
     with tempfile.TemporaryDirectory() as root:
         if pipelined:
-            strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)
+            strategy = (
+                HelixParallelStrategy(pipeline_parallel_size=2)
+                if pipelined == "helix"
+                else PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)
+            )
             trainer = _trainer(
                 2, strategy, root, max_epochs=2, limit_train_batches=3, limit_val_batches=2, enable_checkpointing=False
             )
@@ -52,8 +56,9 @@ def _fit_and_validate(rank, world_size, pipelined):
         return after_fit, _metrics(trainer)
 
 
-def test_callback_metrics_and_torchmetrics_equal_single_device_on_every_rank():
-    ranks = run_distributed(_fit_and_validate, 2, True, init_process_group=False)
+@pytest.mark.parametrize("strategy", ["pipeline", "helix"])
+def test_callback_metrics_and_torchmetrics_equal_single_device_on_every_rank(strategy):
+    ranks = run_distributed(_fit_and_validate, 2, strategy, init_process_group=False)
     single = _fit_and_validate(0, 1, False)
     assert ranks[0] == ranks[1], "callback_metrics differ between pipeline ranks"
     fit_metrics, val_metrics = ranks[0]
@@ -172,7 +177,7 @@ FAILING_SCRIPT = textwrap.dedent(
     import lightning as L
     from examples.data import CharDataModule
     from examples.models import GPT
-    from lightning_parallel import PipelineParallelStrategy
+    from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy
 
     class Failing(GPT):
         def training_step(self, batch, batch_idx):
