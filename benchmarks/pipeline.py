@@ -1,6 +1,8 @@
-"""Pipeline throughput on 2 CPU processes x 1 thread: single process vs our schedules vs torch's Schedule1F1B.
+"""Pipeline throughput on 2 CPU processes x 1 thread: single process vs our schedules (GPipe, 1F1B,
+interleaved, HelixPipe) vs torch's Schedule1F1B.
 
-    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 --reps 5
+    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 --reps 5                       # issue 3 rows
+    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 4096 --m 4 8 --configs helix  # issue 5 rows
 
 Model: the example GPT (H=128, 8 blocks, 4 heads, character vocabulary), global batch of m sequences,
 micro-batch = 1 sequence, SGD step included. Every configuration runs one step per round, rounds
@@ -12,9 +14,13 @@ repeat A/B/A/B after a warm-up round, and the table reports medians. Rows:
 - ``torch Schedule1F1B``: ``torch.distributed.pipelining`` on the same manual split (embeddings +
   blocks 0-3 | blocks 4-7 + final norm + head), ``loss_fn`` on every rank.
 
-Also reported: the measured bubble fraction of each stage (1 - busy / makespan, from our runtime's
-timeline), parameter bytes per stage, and the peak bytes autograd kept saved for backward per stage
-(no recomputation in these runs, so saved-tensor hooks see everything).
+- ``ours helix``: HelixPipe (two folds when m allows) through the runtime ``HelixParallelStrategy`` runs;
+  ``+rc`` rows use recomputation without attention (helix's default, with its MLP in 2 chunks) and are
+  compared with ``ours 1f1b +rc`` (1F1B with the same ``no_attention`` policy), like with like.
+
+Also reported: the measured bubble fraction of each stage (1 - busy / makespan, from our runtimes'
+timelines), parameter bytes per stage, and the peak live bytes per stage during one extra, untimed step
+measured with ``LiveTensorTracker`` (activations, including what checkpointing keeps, and gradients).
 """
 
 from __future__ import annotations
@@ -37,9 +43,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT  # noqa: E402
+from lightning_parallel.adapters import find_adapter  # noqa: E402
+from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
+from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters  # noqa: E402
+from lightning_parallel.pipeline.helix_schedule import helix  # noqa: E402
 from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from lightning_parallel.pipeline.schedules import build_schedule  # noqa: E402
 from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks  # noqa: E402
+from lightning_parallel.recompute import apply_recompute  # noqa: E402
 
 VOCAB, H, LAYERS, HEADS = 65, 128, 8, 4
 
@@ -101,8 +112,9 @@ class Single:
 
 
 class Ours:
-    def __init__(self, seq_len: int, m: int, rank: int, schedule: str) -> None:
+    def __init__(self, seq_len: int, m: int, rank: int, schedule: str, recompute: str = "none") -> None:
         self.model = make_model(seq_len)
+        apply_recompute(self.model, recompute)
         v = 2 if schedule == "interleaved_1f1b" else 1
         trunk = discover_trunk(self.model)
         placement = place_blocks(len(trunk), 2 * v)
@@ -127,6 +139,27 @@ class Ours:
         makespan = tl[-1].end - tl[0].start
         busy = sum(e.end - e.start - e.blocked for e in tl)
         return {"saved": meter.peak, "bubble": 1 - busy / makespan, "params": parameter_bytes(self.model)}
+
+
+class OursHelix(Ours):
+    def __init__(self, seq_len: int, m: int, rank: int, recompute: bool) -> None:
+        self.model = make_model(seq_len)
+        if recompute:
+            apply_recompute(self.model, "none", mlp_chunks=2)  # helix's default MLP chunking
+        trunk = discover_trunk(self.model)
+        adapter = find_adapter(trunk.blocks[0])
+        place_parameters(trunk, adapter, rank, 2)
+        folds = 2 if m % 4 == 0 else 1
+        self.runtime = HelixRuntime(
+            trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"),
+            adapter=adapter, folds=folds, recompute=recompute,
+        )  # fmt: skip
+        self.actions = helix(2, len(trunk), m, folds)[rank]
+        x, y = batch(seq_len, m)
+        self.micro = [(x[i : i + 1], y[i : i + 1]) for i in range(m)]
+        self.params = [p for p in self.model.parameters() if p.device.type != "meta"]
+        self.opt = torch.optim.SGD(self.params, lr=1e-3)
+        self.m = m
 
 
 class TorchStage(nn.Module):
@@ -171,33 +204,65 @@ class Torch1F1B:
         return {"saved": meter.peak, "params": parameter_bytes(self.module)}
 
 
+CONFIGS = {
+    "issue3": ["single 1t", "single 2t", "ours gpipe", "ours 1f1b", "ours interleaved", "torch Schedule1F1B"],
+    "helix": [
+        "single 1t",
+        "single 2t",
+        "torch Schedule1F1B",
+        "ours 1f1b",
+        "ours helix",
+        "ours 1f1b +rc",
+        "ours helix +rc",
+    ],
+}
+
+
+def build(name: str, seq_len: int, m: int, rank: int):
+    return {
+        "single 1t": lambda: Single(seq_len, m, 1),
+        "single 2t": lambda: Single(seq_len, m, 2),
+        "ours gpipe": lambda: Ours(seq_len, m, rank, "gpipe"),
+        "ours 1f1b": lambda: Ours(seq_len, m, rank, "1f1b"),
+        "ours interleaved": lambda: Ours(seq_len, m, rank, "interleaved_1f1b"),
+        "ours 1f1b +rc": lambda: Ours(seq_len, m, rank, "1f1b", recompute="no_attention"),
+        "ours helix": lambda: OursHelix(seq_len, m, rank, recompute=False),
+        "ours helix +rc": lambda: OursHelix(seq_len, m, rank, recompute=True),
+        "torch Schedule1F1B": lambda: Torch1F1B(seq_len, m, rank),
+    }[name]()
+
+
+def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
+    configs = {name: build(name, seq_len, m, rank) for name in CONFIGS[args.configs]}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    extra: dict[str, dict] = {}
+    for rep in range(args.reps + 1):  # round 0 is the warm-up
+        for name, cfg in configs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            info = cfg.step(rank)
+            dist.barrier()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+                extra[name] = info
+    for name, cfg in configs.items():  # one more, untimed step per configuration for memory
+        dist.barrier()
+        tracker = LiveTensorTracker()
+        with tracker:
+            cfg.step(rank)
+        extra[name]["live"] = tracker.peak
+        dist.barrier()
+    return [(seq_len, m, name, statistics.median(times[name]), extra[name]) for name in configs]
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=10))
     rows = []
     for seq_len in args.seq_lens:
-        configs = {
-            "single 1t": Single(seq_len, args.m, 1),
-            "single 2t": Single(seq_len, args.m, 2),
-            "ours gpipe": Ours(seq_len, args.m, rank, "gpipe"),
-            "ours 1f1b": Ours(seq_len, args.m, rank, "1f1b"),
-            "ours interleaved": Ours(seq_len, args.m, rank, "interleaved_1f1b"),
-            "torch Schedule1F1B": Torch1F1B(seq_len, args.m, rank),
-        }
-        times: dict[str, list[float]] = {k: [] for k in configs}
-        extra: dict[str, dict] = {}
-        for rep in range(args.reps + 1):  # round 0 is the warm-up
-            for name, cfg in configs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                info = cfg.step(rank)
-                dist.barrier()
-                if rep:
-                    times[name].append(time.perf_counter() - t0)
-                    extra[name] = info
-        for name in configs:
-            rows.append((seq_len, name, statistics.median(times[name]), times[name], extra[name]))
+        for m in args.m:
+            rows += measure(rank, seq_len, m, args)
     out.put((rank, rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -206,7 +271,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--m", type=int, default=8, help="micro-batches (= sequences per batch)")
+    parser.add_argument("--m", type=int, nargs="+", default=[8], help="micro-batches (= sequences per batch)")
+    parser.add_argument("--configs", choices=sorted(CONFIGS), default="issue3")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     import socket
@@ -222,23 +288,23 @@ def main() -> None:
     results = dict(out.get() for _ in procs)
     for p in procs:
         p.join()
-    print(f"torch {torch.__version__}, 2 processes x 1 thread, m={args.m}, medians of {args.reps} interleaved rounds\n")
-    print(
-        "| T | configuration | step s (median) | tokens/s | vs single 1t | vs torch 1F1B | bubble s0 / s1 | params MiB s0 / s1 | peak saved MiB s0 / s1 |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for i, (seq_len, name, med, _, info0) in enumerate(results[0]):
+    print(f"torch {torch.__version__}, 2 processes x 1 thread, medians of {args.reps} interleaved rounds\n")
+    columns = ["T", "m", "configuration", "step s (median)", "tokens/s", "vs single 1t", "vs torch 1F1B", "vs ours 1F1B",
+               "bubble s0 / s1", "params MiB s0 / s1", "peak live MiB s0 / s1"]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for i, (seq_len, m, name, med, info0) in enumerate(results[0]):
         info1 = results[1][i][4]
-        t = max(med, results[1][i][2])
-        base = next(r[2] for r in results[0] if r[0] == seq_len and r[1] == "single 1t")
-        torch_t = max(r[2] for k in (0, 1) for r in results[k] if r[0] == seq_len and r[1] == "torch Schedule1F1B")
-        tokens = seq_len * args.m / t
+        t = max(med, results[1][i][3])
+        same = [(r0, r1) for r0, r1 in zip(results[0], results[1]) if r0[0] == seq_len and r0[1] == m]
+        time_of = {r0[2]: max(r0[3], r1[3]) for r0, r1 in same}
+        ratio = lambda ref, time_of=time_of, t=t: f"{time_of[ref] / t:.2f}x" if ref in time_of else "-"  # noqa: E731
         bubble = f"{info0['bubble']:.2f} / {info1['bubble']:.2f}" if "bubble" in info0 else "-"
         params = f"{info0['params'] / 2**20:.2f} / {info1['params'] / 2**20:.2f}" if "params" in info0 else "-"
-        saved = f"{info0['saved'] / 2**20:.0f} / {info1.get('saved', 0) / 2**20:.0f}"
-        print(
-            f"| {seq_len} | {name} | {t:.3f} | {tokens:.0f} | {base / t:.2f}x | {torch_t / t:.2f}x | {bubble} | {params} | {saved} |"
-        )
+        live = f"{info0['live'] / 2**20:.0f} / {info1['live'] / 2**20:.0f}"
+        cells = [seq_len, m, name, f"{t:.3f}", f"{seq_len * m / t:.0f}", ratio("single 1t"), ratio("torch Schedule1F1B"),
+                 ratio("ours 1f1b"), bubble, params, live]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
 
 
 if __name__ == "__main__":

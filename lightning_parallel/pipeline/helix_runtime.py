@@ -232,3 +232,24 @@ class HelixRuntime(PipelineRuntime):
         for work, _ in sends:
             work.wait()
         return result
+
+
+def place_parameters(trunk: Any, adapter: BlockAdapter, stage: int, num_stages: int) -> set[int]:
+    """Free what ``stage`` does not run: layer k's pre-attention parameters live on stage (k-1) mod p,
+    the rest of its block on stage k mod p. Returns the ids of the parameters that were freed."""
+    from lightning_parallel.adapters import pre_parameters
+
+    freed: set[int] = set()
+    for i, block in enumerate(trunk.blocks):  # layer k = i + 1
+        pre = pre_parameters(adapter, block)
+        for name, param in list(block.named_parameters()):
+            if (i % num_stages if name in pre else (i + 1) % num_stages) != stage:
+                freed.add(id(param))
+                owner_name, _, attr = name.rpartition(".")
+                owner = block.get_submodule(owner_name) if owner_name else block
+                setattr(
+                    owner,
+                    attr,
+                    torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad),
+                )
+    return freed

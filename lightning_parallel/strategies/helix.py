@@ -20,10 +20,10 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.adapters import BlockAdapter, find_adapter, pre_parameters, verify_adapter
+from lightning_parallel.adapters import BlockAdapter, find_adapter, verify_adapter
 from lightning_parallel.mesh import PP, Size
 from lightning_parallel.pipeline.capture import capture
-from lightning_parallel.pipeline.helix_runtime import HelixRuntime
+from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.trunk import discover_trunk, parameter_bytes
@@ -173,14 +173,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             cap = capture(runtime.trunk, lambda: lm.training_step(micro[0], *rest, **kwargs), None)
         args, kw = cap.block_args[0]
         verify_adapter(self._adapter, runtime.trunk.blocks[0], cap.trunk_input, args, kw)
-        p, freed = self.parallel_dims.pp, set()
-        for i, block in enumerate(runtime.trunk.blocks):  # layer k = i + 1
-            pre = pre_parameters(self._adapter, block)
-            for name, param in list(block.named_parameters()):
-                owner = i % p if name in pre else (i + 1) % p
-                if owner != self.stage:
-                    freed.add(id(param))
-                    _free_parameter(block, name)
+        freed = place_parameters(runtime.trunk, self._adapter, self.stage, self.parallel_dims.pp)
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["params"] = [q for q in group["params"] if id(q) not in freed]
@@ -198,10 +191,3 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             description="lightning-parallel: HelixPipe attention-parallel pipeline",
             override=True,
         )
-
-
-def _free_parameter(block: nn.Module, name: str) -> None:
-    owner_name, _, attr = name.rpartition(".")
-    owner = block.get_submodule(owner_name) if owner_name else block
-    old = getattr(owner, attr)
-    setattr(owner, attr, nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad))
