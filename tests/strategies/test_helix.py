@@ -133,3 +133,57 @@ def test_blocks_must_divide_by_stages():
         RankFailed, match=r"number of blocks \(4\) to be a multiple of the number of pipeline stages \(3\)"
     ):
         run_distributed(_blocks_not_divisible, 3, init_process_group=False)
+
+
+class _PeakLive(L.Callback):
+    """Peak live bytes (activations, kept or checkpointed, and gradients) of this rank's schedule."""
+
+    def on_train_batch_start(self, trainer, *args):
+        from lightning_parallel.memory import LiveTensorTracker
+
+        runtime = trainer.strategy.runtime
+        if getattr(runtime, "_measured", False):
+            return
+        run = runtime.run
+
+        def measured(*a, **kw):
+            with LiveTensorTracker() as tracker:
+                out = run(*a, **kw)
+            self.peak = tracker.peak
+            return out
+
+        runtime.run, runtime._measured = measured, True
+
+
+def _peak_live(rank, world_size, name):
+    from examples.data import CharDataModule
+    from examples.models import GPT
+    from lightning_parallel import PipelineParallelStrategy
+
+    import torch
+
+    torch.manual_seed(0)
+    data = CharDataModule(block_size=256, batch_size=8, shuffle=False)
+    module = GPT(vocab_size=data.vocab_size, block_size=256, n_layer=8, n_head=2, n_embd=32, optimizer="sgd")
+    strategy = (
+        HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)
+        if name == "helix"
+        else PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)
+    )
+    peak = _PeakLive()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False, limit_val_batches=0,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, strategy=strategy,
+                            callbacks=[peak])  # fmt: skip
+        trainer.fit(module, datamodule=data)
+    return peak.peak
+
+
+def test_peak_live_bytes_are_balanced_across_stages_under_helix_default_recomputation():
+    helix_peaks = run_distributed(_peak_live, 2, "helix", init_process_group=False)
+    one_f_one_b = run_distributed(_peak_live, 2, "1f1b", init_process_group=False)
+    ratio = max(helix_peaks) / min(helix_peaks)
+    skew = max(one_f_one_b) / min(one_f_one_b)
+    print(f"peak live bytes per stage: helix {helix_peaks} (max/min {ratio:.3f}), 1F1B {one_f_one_b} (max/min {skew:.3f})")
+    assert ratio <= 1.15, helix_peaks
+    assert skew > ratio  # 1F1B keeps p - s micro-batches in flight on stage s
