@@ -41,16 +41,10 @@ from lightning_parallel.pipeline.capture import (
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.pipeline.trunk import Trunk
 
-CallBlock = Callable[[nn.Module, Tensor, tuple, dict], Any]
-
 
 def structure_of(output: Any) -> Any:
     """``None`` for a tensor output, else an empty tuple/list of the same length (hidden state first)."""
     return type(output)([None] * len(output)) if isinstance(output, (tuple, list)) else None
-
-
-def call_block(block: nn.Module, hidden: Tensor, args: tuple, kwargs: dict) -> Any:
-    return block(hidden, *args, **kwargs)
 
 
 @dataclass
@@ -79,10 +73,9 @@ class PipelineRuntime:
         stage_ranks: list[int],
         group: Any,
         device: torch.device,
-        block_fn: CallBlock = call_block,
     ) -> None:
         self.trunk, self.chunk_blocks, self.stage = trunk, chunk_blocks, stage
-        self.stage_ranks, self.group, self.device, self.block_fn = stage_ranks, group, device, block_fn
+        self.stage_ranks, self.group, self.device = stage_ranks, group, device
         self.num_stages, self.num_chunks = len(stage_ranks), len(chunk_blocks)
         self.local_chunks = [c for c in range(self.num_chunks) if c % self.num_stages == stage]
         self.output_like: Any = None  # the blocks' output structure (None: a plain tensor)
@@ -154,7 +147,7 @@ class PipelineRuntime:
         out: Any = hidden
         for j in self.chunk_blocks[c]:
             args, kwargs = cap.block_args[j]
-            out = self.block_fn(self.trunk.blocks[j], hidden, args, kwargs)
+            out = self.trunk.blocks[j](hidden, *args, **kwargs)  # recomputation, if any, wraps the block itself
             hidden = unwrap_output(out, self.trunk.blocks[j])
         return out
 

@@ -49,6 +49,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     """
 
     strategy_name = "helix"
+    strategy_description = "lightning-parallel: HelixPipe attention-parallel pipeline (arXiv 2507.00394)"
 
     def __init__(
         self,
@@ -180,14 +181,3 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         self._placed = True
         layers = len(runtime.trunk)
         self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], parameter_bytes(lm))
-
-    @classmethod
-    def register(cls) -> None:
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        StrategyRegistry.register(
-            cls.strategy_name,
-            cls,
-            description="lightning-parallel: HelixPipe attention-parallel pipeline",
-            override=True,
-        )

@@ -66,6 +66,7 @@ class HybridParallelStrategy(ParallelStrategy):
     """
 
     strategy_name = "hybrid"
+    strategy_description = "lightning-parallel: data parallelism over a (dp, pp, sp, tp) device mesh"
 
     def __init__(
         self,
@@ -304,9 +305,4 @@ class HybridParallelStrategy(ParallelStrategy):
     def register(cls) -> None:
         from lightning.pytorch.strategies import StrategyRegistry
 
-        StrategyRegistry.register(
-            cls.strategy_name,
-            cls,
-            description="lightning-parallel: data parallelism over a (dp, pp, sp, tp) device mesh",
-            override=True,
-        )
+        StrategyRegistry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)

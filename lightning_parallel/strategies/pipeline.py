@@ -62,6 +62,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     """
 
     strategy_name = "pipeline"
+    strategy_description = "lightning-parallel: pipeline parallelism (GPipe, 1F1B, interleaved) for unchanged modules"
 
     def __init__(
         self,
@@ -356,17 +357,6 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             sys.stdout.flush()
             os._exit(1)
         super().on_exception(exception)
-
-    @classmethod
-    def register(cls) -> None:
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        StrategyRegistry.register(
-            cls.strategy_name,
-            cls,
-            description="lightning-parallel: pipeline parallelism (1F1B) for unchanged modules",
-            override=True,
-        )
 
 
 def _loss_of(output: Any) -> Tensor:

@@ -156,11 +156,11 @@ class _PeakLive(L.Callback):
 
 
 def _peak_live(rank, world_size, name):
+    import torch
+
     from examples.data import CharDataModule
     from examples.models import GPT
     from lightning_parallel import PipelineParallelStrategy
-
-    import torch
 
     torch.manual_seed(0)
     data = CharDataModule(block_size=256, batch_size=8, shuffle=False)
@@ -184,6 +184,8 @@ def test_peak_live_bytes_are_balanced_across_stages_under_helix_default_recomput
     one_f_one_b = run_distributed(_peak_live, 2, "1f1b", init_process_group=False)
     ratio = max(helix_peaks) / min(helix_peaks)
     skew = max(one_f_one_b) / min(one_f_one_b)
-    print(f"peak live bytes per stage: helix {helix_peaks} (max/min {ratio:.3f}), 1F1B {one_f_one_b} (max/min {skew:.3f})")
+    print(
+        f"peak live bytes per stage: helix {helix_peaks} (max/min {ratio:.3f}), 1F1B {one_f_one_b} (max/min {skew:.3f})"
+    )
     assert ratio <= 1.15, helix_peaks
     assert skew > ratio  # 1F1B keeps p - s micro-batches in flight on stage s
