@@ -171,3 +171,12 @@ def _load_state(metric: Metric, saved: dict[str, Any]) -> None:
     metric._update_count = saved["count"]
     metric._forward_cache = saved["forward"]
     metric._computed = None
+
+
+def snapshot_metrics(metrics: dict[str, Metric]) -> dict[str, dict[str, Any]]:
+    return {name: _state_of(metric) for name, metric in metrics.items()}
+
+
+def restore_metrics(metrics: dict[str, Metric], saved: dict[str, dict[str, Any]]) -> None:
+    for name, metric in metrics.items():
+        _load_state(metric, saved[name])

@@ -27,8 +27,13 @@ from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parame
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.trunk import discover_trunk, parameter_bytes
-from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording
-from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.strategies._logging import (
+    LogRecorder,
+    MetricStepper,
+    recording,
+    restore_metrics,
+    snapshot_metrics,
+)
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 
 
@@ -95,12 +100,8 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         return 0
 
     @override
-    def _configure_launcher(self) -> None:
-        if getattr(self.precision_plugin, "precision", None) == "16-mixed":
-            raise ValueError(
-                "precision='16-mixed' is not supported under pipeline parallelism; use 'bf16-mixed' or '32-true'"
-            )
-        HybridParallelStrategy._configure_launcher(self)
+    def _validate_schedule(self) -> None:
+        # the schedule needs the block count: it is built in setup; the micro-batch count is checked now
         p, m = self.parallel_dims.pp, self.num_microbatches
         if m % (p * self._folds):
             raise ValueError(
@@ -141,22 +142,11 @@ class HelixParallelStrategy(PipelineParallelStrategy):
 
     def _quiet(self, step: Any) -> Any:
         """Re-run the user's step in a backward action: no logging, metric states left as they were."""
-        states = {n: m.metric_state for n, m in self._metrics.metrics.items()}
-        saved = {
-            n: (
-                {k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in s.items()},
-                self._metrics.metrics[n]._update_count,
-            )
-            for n, s in states.items()
-        }
+        saved = snapshot_metrics(self._metrics.metrics)
         try:
             return step()
         finally:
-            for n, (state, count) in saved.items():
-                metric = self._metrics.metrics[n]
-                for k, v in state.items():
-                    setattr(metric, k, v)
-                metric._update_count = count
+            restore_metrics(self._metrics.metrics, saved)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -126,8 +126,10 @@ class PipelineParallelStrategy(HybridParallelStrategy):
                 " skip steps on its own and their scales would diverge; use precision='bf16-mixed' or '32-true'"
             )
         super()._configure_launcher()
+        self._validate_schedule()  # num_microbatches against the schedule, before any process starts
+
+    def _validate_schedule(self) -> None:
         dims = self.parallel_dims
-        # validates num_microbatches against the schedule before any process starts
         self.schedule = build_schedule(self._schedule_name, dims.pp, self.num_microbatches, self._virtual)
 
     # ---------------------------------------------------------------------------------- setup
