@@ -80,12 +80,16 @@ def apply_recompute(
     mlp_chunks: int = 1,
     trunk: str | None = None,
     mlp_module: str | None = None,
+    attention_kernels: tuple[str, ...] = (),
 ) -> nn.Module:
     """Wrap each trunk block of ``module`` in the recomputation ``policy`` (and chunk its MLP); in place.
 
+    ``attention_kernels`` names further ops (``"namespace::op"`` or ``"namespace::op.overload"``) that
+    ``no_attention`` and ``selective`` must keep, for blocks whose attention runs a custom kernel.
     Works without Lightning. Re-applying replaces the previous wrapping. Returns ``module``.
     """
     validate(policy, every_n, mlp_chunks)
+    extra = {_resolve_op(name) for name in attention_kernels}
     for j, block in enumerate(discover_trunk(module, trunk).blocks):
         _restore(block)
         if mlp_chunks > 1:
@@ -93,7 +97,7 @@ def apply_recompute(
         if policy == "none" or (policy == "every_n" and j % every_n):
             continue
         block._lp_original_forward = block.__dict__.get("forward")
-        block.forward = _Recomputed(block, "full" if policy == "every_n" else policy)
+        block.forward = _Recomputed(block, "full" if policy == "every_n" else policy, extra)
     return module
 
 
@@ -114,14 +118,14 @@ class _Recomputed:
     It holds the block itself (not a bound method), so a ``copy.deepcopy`` of the block gets a wrapper
     that runs the copy."""
 
-    def __init__(self, block: nn.Module, policy: str) -> None:
+    def __init__(self, block: nn.Module, policy: str, extra: set[Any] = frozenset()) -> None:
         self.block, self.policy, self.block_name = block, policy, type(block).__name__
         self._inner = block.__dict__.get("_lp_original_forward")  # an instance forward that was there before
         self.keep = set()
         if policy == "selective":
-            self.keep = attention_ops() | MATMUL_OPS
+            self.keep = attention_ops() | MATMUL_OPS | set(extra)
         elif policy == "no_attention":
-            self.keep = attention_ops() | MATH_ATTENTION_OPS
+            self.keep = attention_ops() | MATH_ATTENTION_OPS | set(extra)
         self._checked = policy != "no_attention"
         self._saw_attention = False
 
@@ -147,9 +151,21 @@ class _Recomputed:
                 raise ValueError(
                     f"recompute='no_attention': no attention kernel ran inside {self.block_name} (looked for"
                     " torch's scaled_dot_product_attention kernels and flash-attn); its attention cannot be kept."
-                    " Use recompute='selective' or 'full' for this block family"
+                    " Name its attention kernel with attention_kernels=['namespace::op'], or use recompute='selective'"
+                    " or 'full' for this block family"
                 )
         return out
+
+
+def _resolve_op(name: str) -> Any:
+    """``"aten::bmm"`` / ``"mylib::attn.default"`` -> the op overload (``.default`` when none is given)."""
+    namespace, _, rest = name.partition("::")
+    op_name, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op_name)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"attention_kernels: no op named {name!r} is registered with torch.ops") from None
 
 
 # ---------------------------------------------------------------------------------- chunked MLP

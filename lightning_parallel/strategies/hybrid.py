@@ -61,6 +61,8 @@ class HybridParallelStrategy(ParallelStrategy):
         mlp_chunks: run each block's MLP over this many slices of the sequence (1: off).
         trunk: dotted path of the container of repeated blocks (default: discovered).
         mlp_module: path of the MLP inside a block, where it is not found by name.
+        attention_kernels: further ops (``"namespace::op"``) the ``no_attention`` / ``selective`` policies keep,
+            for blocks whose attention runs a custom kernel.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"fork"``/``"spawn"``
             start ranks with multiprocessing.
     """
@@ -83,6 +85,7 @@ class HybridParallelStrategy(ParallelStrategy):
         mlp_chunks: int = 1,
         trunk: Optional[str] = None,
         mlp_module: Optional[str] = None,
+        attention_kernels: tuple[str, ...] = (),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -95,7 +98,11 @@ class HybridParallelStrategy(ParallelStrategy):
         check_size(DP, data_parallel_size)  # fail at construction, not at launch
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
         self._recompute = dict(
-            policy=recompute, every_n=recompute_every_n, mlp_chunks=mlp_chunks, mlp_module=mlp_module
+            policy=recompute,
+            every_n=recompute_every_n,
+            mlp_chunks=mlp_chunks,
+            mlp_module=mlp_module,
+            attention_kernels=tuple(attention_kernels),
         )
         self._trunk_path = trunk
         self._sizes: dict[str, Size] = {"dp": data_parallel_size}

@@ -189,8 +189,15 @@ def test_bad_input():
         apply_recompute(holder, "none", mlp_chunks=2)
     apply_recompute(holder, "none", mlp_chunks=2, mlp_module="proj")  # the adapter argument fixes it
     apply_recompute(holder, "no_attention")
-    with pytest.raises(ValueError, match="recompute='no_attention': no attention kernel ran inside NoMLP"):
+    with pytest.raises(
+        ValueError, match=r"recompute='no_attention': no attention kernel ran inside NoMLP.*attention_kernels="
+    ):
         holder.blocks[0](torch.randn(2, 4, 8, requires_grad=True))
+    # naming the block's own "attention" kernel (here its matmul, for the test) is the fix the error names
+    apply_recompute(holder, "no_attention", attention_kernels=("aten::addmm",))
+    holder.blocks[0](torch.randn(2, 4, 8, requires_grad=True)).sum().backward()
+    with pytest.raises(ValueError, match="attention_kernels: no op named 'aten::no_such_op' is registered"):
+        apply_recompute(holder, "no_attention", attention_kernels=("aten::no_such_op",))
 
 
 @pytest.mark.parametrize("policy,chunks", [("no_attention", 1), ("none", 4), ("full", 2)])
