@@ -171,17 +171,21 @@ _MAX_PACKED = 8
 
 
 def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
-    """Send several tensors of one dtype as one header + one flat payload (2 p2p ops instead of 2 per tensor)."""
-    if not 0 < len(tensors) <= _MAX_PACKED or len({t.dtype for t in tensors}) != 1:
-        raise ValueError(f"isend_packed takes 1 to {_MAX_PACKED} tensors of one dtype")
-    header = torch.zeros(1 + _MAX_PACKED * (1 + _MAX_DIMS), dtype=torch.int64)
+    """Send several tensors as one header + one flat payload (2 p2p ops instead of 2 per tensor). Mixed
+    dtypes (bf16 activations beside an fp32 residual under autocast) travel in the promoted dtype and are
+    cast back on receipt, which is exact."""
+    if not 0 < len(tensors) <= _MAX_PACKED:
+        raise ValueError(f"isend_packed takes 1 to {_MAX_PACKED} tensors, got {len(tensors)}")
+    header = torch.zeros(1 + _MAX_PACKED * (2 + _MAX_DIMS) + 1, dtype=torch.int64)
     header[0] = len(tensors)
+    wide = tensors[0].dtype
     for i, t in enumerate(tensors):
-        base = 1 + i * (1 + _MAX_DIMS)
-        header[base] = t.dim()
-        header[base + 1 : base + 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    payload = torch.cat([t.detach().reshape(-1) for t in tensors])
-    header = torch.cat([header, torch.tensor([_DTYPES.index(payload.dtype)])])
+        base = 1 + i * (2 + _MAX_DIMS)
+        header[base], header[base + 1] = t.dim(), _DTYPES.index(t.dtype)
+        header[base + 2 : base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        wide = torch.promote_types(wide, t.dtype)
+    header[-1] = _DTYPES.index(wide)
+    payload = torch.cat([t.detach().reshape(-1).to(wide) for t in tensors])
     return [
         (dist.isend(header, dst, group=group, tag=2 * tag), header),
         (dist.isend(payload, dst, group=group, tag=2 * tag + 1), payload),
@@ -189,14 +193,14 @@ def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup)
 
 
 def recv_packed(src: int, tag: int, group: ProcessGroup, device: torch.device) -> list[Tensor]:
-    """Receive what ``isend_packed`` sent; each tensor is a contiguous view of one received buffer."""
-    header = torch.empty(2 + _MAX_PACKED * (1 + _MAX_DIMS), dtype=torch.int64)
+    """Receive what ``isend_packed`` sent, each tensor in its own dtype and shape."""
+    header = torch.empty(1 + _MAX_PACKED * (2 + _MAX_DIMS) + 1, dtype=torch.int64)
     dist.irecv(header, src, group=group, tag=2 * tag).wait()
-    shapes = []
+    specs = []
     for i in range(int(header[0])):
-        base = 1 + i * (1 + _MAX_DIMS)
-        shapes.append(header[base + 1 : base + 1 + int(header[base])].tolist())
-    sizes = [int(torch.tensor(s).prod()) if s else 1 for s in shapes]
+        base = 1 + i * (2 + _MAX_DIMS)
+        specs.append((header[base + 2 : base + 2 + int(header[base])].tolist(), _DTYPES[int(header[base + 1])]))
+    sizes = [int(torch.Size(shape).numel()) for shape, _ in specs]
     payload = torch.empty(sum(sizes), dtype=_DTYPES[int(header[-1])], device=device)
     dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
-    return [part.view(shape) for part, shape in zip(payload.split(sizes), shapes)]
+    return [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), specs)]

@@ -189,3 +189,24 @@ def test_peak_live_bytes_are_balanced_across_stages_under_helix_default_recomput
     )
     assert ratio <= 1.15, helix_peaks
     assert skew > ratio  # 1F1B keeps p - s micro-batches in flight on stage s
+
+
+def _bf16(rank, world_size, strategy):
+    from tests.helpers.parity import _OneReplicaSampler
+
+    module, data = build("gpt", 8, "sgd")
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world_size, max_steps=3, logger=False, enable_checkpointing=False,
+            limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+            precision="bf16-mixed", strategy=strategy() if strategy else "auto",
+            callbacks=[] if strategy else [_OneReplicaSampler()],
+        )  # fmt: skip
+        trainer.fit(module, datamodule=data)
+        return trainer.callback_metrics["train_loss"].item()
+
+
+def test_bf16_mixed_trains_like_single_device():
+    got = run_distributed(_bf16, 2, helix(pipeline_parallel_size=2), init_process_group=False)
+    want = _bf16(0, 1, None)
+    assert got[0] == got[1] == pytest.approx(want, rel=2e-2)
