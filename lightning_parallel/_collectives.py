@@ -135,7 +135,11 @@ def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
             t.copy_(reduced)
 
 
-def broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
+def barrier(group: ProcessGroup | None = None) -> None:
+    dist.barrier(group=group)
+
+
+def broadcast_object(obj: object, src: int, group: ProcessGroup | None) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src, group=group)
     return box[0]

@@ -17,6 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_parallel import _collectives
+
 META_FILE = "lightning.pt"
 
 
@@ -45,9 +47,8 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, is_global_
         tensors[f"optimizer_{i}"] = opt_state["state"]
         groups.append(opt_state["param_groups"])
     dcp.save(tensors, checkpoint_id=path)
-    all_groups: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(all_groups, groups)
+    all_groups = _collectives.all_gather_object(groups)
     if is_global_zero:
         rest["optimizer_param_groups"] = all_groups
         torch.save(rest, os.path.join(path, META_FILE))
-    torch.distributed.barrier()
+    _collectives.barrier()

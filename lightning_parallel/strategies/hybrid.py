@@ -279,15 +279,13 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            _collectives.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return _collectives.broadcast_object(obj, src, None)
 
     @contextmanager
     def block_backward_sync(self) -> Any:
