@@ -7,8 +7,11 @@ silently mis-handles non-contiguous buffers in some collectives, see docs/design
 
 from __future__ import annotations
 
+import functools
+import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,22 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 ProcessGroup = dist.ProcessGroup
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+comm_seconds = 0.0  # wall time spent in the blocking collectives below, read by the profiling callbacks
+
+
+def _timed(fn: _F) -> _F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global comm_seconds
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            comm_seconds += time.perf_counter() - t0
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _by_dtype(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -25,6 +44,7 @@ def _by_dtype(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
     return groups
 
 
+@_timed
 def all_reduce_mean_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
     """In place: each tensor becomes its mean over ``group`` (one all-reduce per dtype)."""
     size = dist.get_world_size(group)
@@ -38,6 +58,7 @@ def all_reduce_mean_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
             t.copy_(reduced)
 
 
+@_timed
 def broadcast_(tensors: Iterable[Tensor], group: ProcessGroup, group_src: int = 0) -> None:
     """In place: every rank of ``group`` receives the values held by its rank ``group_src``."""
     if dist.get_world_size(group) == 1:
@@ -71,8 +92,6 @@ _HEADER = 2 + _MAX_DIMS + 1  # ndim, dtype, shape..., producer wall time in micr
 
 def isend_with_header(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
     """Send shape, dtype and the send time, then the data; returns the works and buffers to keep alive."""
-    import time
-
     if tensor.dim() > _MAX_DIMS:
         raise ValueError(f"cannot send a {tensor.dim()}-d tensor; at most {_MAX_DIMS} dims")
     header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -107,6 +126,21 @@ def recv_into(out: Tensor, src: int, tag: int, group: ProcessGroup) -> Tensor:
     return out
 
 
+def isend_timed(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
+    """``isend`` preceded by the producer's wall time (one float64), for the timeline's bubble analysis."""
+    stamp = torch.tensor([time.time()], dtype=torch.float64)
+    return [(dist.isend(stamp, dst, group=group, tag=2 * tag), stamp), isend(tensor, dst, tag, group)]
+
+
+def recv_into_timed(out: Tensor, src: int, tag: int, group: ProcessGroup) -> tuple[Tensor, float]:
+    """Receive what ``isend_timed`` sent into ``out``; returns it and the producer's send time (s)."""
+    stamp = torch.empty(1, dtype=torch.float64)
+    works = [dist.irecv(stamp, src, group=group, tag=2 * tag), dist.irecv(out, src, group=group, tag=2 * tag + 1)]
+    for work in works:
+        work.wait()
+    return out, float(stamp[0])
+
+
 def broadcast_with_header(tensor: Tensor | None, src: int, group: ProcessGroup, device: torch.device) -> Tensor:
     """Broadcast a tensor whose shape only ``src`` (a global rank) knows."""
     header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -124,6 +158,7 @@ def broadcast_with_header(tensor: Tensor | None, src: int, group: ProcessGroup, 
     return out
 
 
+@_timed
 def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
     """In place: each tensor becomes its sum over ``group`` (one all-reduce per dtype)."""
     if dist.get_world_size(group) == 1:
@@ -153,6 +188,11 @@ def any_over_group(flags: list[bool], group: ProcessGroup) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
+def world_size() -> int:
+    """Processes in the default group; 1 when torch.distributed is not initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -164,6 +204,7 @@ def group_ranks(group: ProcessGroup) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
+@_timed
 def sum_of_squares(local: Tensor, group: ProcessGroup) -> Tensor:
     """``local`` (a scalar of squared norms) summed over ``group`` in float64."""
     total = local.double().reshape(1)
@@ -172,6 +213,7 @@ def sum_of_squares(local: Tensor, group: ProcessGroup) -> Tensor:
 
 
 _MAX_PACKED = 8
+_PACKED_HEADER = 1 + _MAX_PACKED * (2 + _MAX_DIMS) + 2  # count, (ndim, dtype, shape) each, wide dtype, time
 
 
 def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
@@ -180,7 +222,7 @@ def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup)
     cast back on receipt, which is exact."""
     if not 0 < len(tensors) <= _MAX_PACKED:
         raise ValueError(f"isend_packed takes 1 to {_MAX_PACKED} tensors, got {len(tensors)}")
-    header = torch.zeros(1 + _MAX_PACKED * (2 + _MAX_DIMS) + 1, dtype=torch.int64)
+    header = torch.zeros(_PACKED_HEADER, dtype=torch.int64)
     header[0] = len(tensors)
     wide = tensors[0].dtype
     for i, t in enumerate(tensors):
@@ -188,7 +230,8 @@ def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup)
         header[base], header[base + 1] = t.dim(), _DTYPES.index(t.dtype)
         header[base + 2 : base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         wide = torch.promote_types(wide, t.dtype)
-    header[-1] = _DTYPES.index(wide)
+    header[-2] = _DTYPES.index(wide)
+    header[-1] = int(time.time() * 1e6)
     payload = torch.cat([t.detach().reshape(-1).to(wide) for t in tensors])
     return [
         (dist.isend(header, dst, group=group, tag=2 * tag), header),
@@ -196,15 +239,16 @@ def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup)
     ]
 
 
-def recv_packed(src: int, tag: int, group: ProcessGroup, device: torch.device) -> list[Tensor]:
-    """Receive what ``isend_packed`` sent, each tensor in its own dtype and shape."""
-    header = torch.empty(1 + _MAX_PACKED * (2 + _MAX_DIMS) + 1, dtype=torch.int64)
+def recv_packed(src: int, tag: int, group: ProcessGroup, device: torch.device) -> tuple[list[Tensor], float]:
+    """Receive what ``isend_packed`` sent, each tensor in its own dtype and shape, and the send time (s)."""
+    header = torch.empty(_PACKED_HEADER, dtype=torch.int64)
     dist.irecv(header, src, group=group, tag=2 * tag).wait()
     specs = []
     for i in range(int(header[0])):
         base = 1 + i * (2 + _MAX_DIMS)
         specs.append((header[base + 2 : base + 2 + int(header[base])].tolist(), _DTYPES[int(header[base + 1])]))
     sizes = [int(torch.Size(shape).numel()) for shape, _ in specs]
-    payload = torch.empty(sum(sizes), dtype=_DTYPES[int(header[-1])], device=device)
+    payload = torch.empty(sum(sizes), dtype=_DTYPES[int(header[-2])], device=device)
     dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
-    return [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), specs)]
+    parts = [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), specs)]
+    return parts, int(header[-1]) / 1e6

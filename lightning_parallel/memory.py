@@ -25,13 +25,15 @@ from torch.utils._pytree import tree_leaves
 
 class LiveTensorTracker(TorchDispatchMode):
     """Live bytes allocated by ops inside the mode: ``current``, ``peak``, ``largest`` single storage,
-    and per-op call ``counts`` (aten kernel executions)."""
+    and per-op call ``counts`` (aten kernel executions). With ``record=True``, ``series`` gets a
+    ``(time.perf_counter(), current)`` point at every change."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         super().__init__()
         self._live: dict[int, int] = {}
         self.current = self.peak = self.largest = 0
         self.counts: Counter = Counter()
+        self.series: list[tuple[float, int]] | None = [] if record else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -51,10 +53,15 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current += nbytes
         self.peak = max(self.peak, self.current)
         self.largest = max(self.largest, nbytes)
+        if self.series is not None:
+            self.series.append((time.perf_counter(), self.current))
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
+        nbytes = self._live.pop(key, 0)
+        self.current -= nbytes
+        if nbytes and self.series is not None:
+            self.series.append((time.perf_counter(), self.current))
 
     def reset_peak(self) -> None:
         self.peak, self.largest = self.current, 0

@@ -1,3 +1,6 @@
-"""Lightning callbacks that observe parallel training (profilers land with their issue)."""
+"""Lightning callbacks that observe parallel training: the pipeline bubble and memory per stage."""
 
-__all__: list[str] = []
+from lightning_parallel.callbacks.bubble import BubbleProfiler
+from lightning_parallel.callbacks.memory_profiler import MemoryProfiler
+
+__all__ = ["BubbleProfiler", "MemoryProfiler"]

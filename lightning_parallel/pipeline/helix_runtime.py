@@ -32,7 +32,7 @@ from lightning_parallel import _collectives
 from lightning_parallel.adapters import BlockAdapter
 from lightning_parallel.pipeline.capture import _forwards, split_hidden, substitute
 from lightning_parallel.pipeline.helix_schedule import HelixAction, attention_stage
-from lightning_parallel.pipeline.runtime import PipelineRuntime, TimelineEvent
+from lightning_parallel.pipeline.runtime import PipelineRuntime, RecvClock
 
 _KINDS = {"qkv": 0, "out": 1, "grad_out": 2, "grad_qkv": 3}
 
@@ -59,14 +59,16 @@ class HelixRuntime(PipelineRuntime):
         dst = self.rank_of_stage(stage)
         self._sends += _collectives.isend_packed(tensors, dst, self._tag(kind, index, mb), self.group)
 
-    def _recv(self, n: int, stage: int, kind: str, index: int, mb: int) -> tuple[list[Tensor], float]:
+    def _recv(self, n: int, stage: int, kind: str, index: int, mb: int) -> list[Tensor]:
         if stage == self.stage:
-            return [t.requires_grad_(True) for t in self._local.pop((kind, index, mb))], 0.0
-        t0 = time.perf_counter()
-        out = _collectives.recv_packed(self.rank_of_stage(stage), self._tag(kind, index, mb), self.group, self.device)
+            return [t.requires_grad_(True) for t in self._local.pop((kind, index, mb))]
+        with self._clock as clock:
+            out, clock.sent = _collectives.recv_packed(
+                self.rank_of_stage(stage), self._tag(kind, index, mb), self.group, self.device
+            )
         if len(out) != n:
             raise RuntimeError(f"expected {n} tensors for {kind} of layer {index}, micro-batch {mb}; got {len(out)}")
-        return [t.requires_grad_(True) for t in out], time.perf_counter() - t0
+        return [t.requires_grad_(True) for t in out]
 
     # --------------------------------------------------------------------------------- steps
     def run(self, actions, steps, loss_of, loss_weights):  # type: ignore[override]
@@ -77,13 +79,9 @@ class HelixRuntime(PipelineRuntime):
         results: dict[int, tuple[Tensor, Any]] = {}
         try:
             for a in actions:
-                start = time.perf_counter()
-                blocked = self._forward_action(a, results) if a.phase == "F" else self._backward_action(a)
-                self.timeline.append(
-                    TimelineEvent(
-                        self.stage, a.phase + a.op, a.microbatch, a.index, start, time.perf_counter(), blocked
-                    )
-                )
+                start, self._clock = time.time(), RecvClock()
+                self._forward_action(a, results) if a.phase == "F" else self._backward_action(a)
+                self.timeline.append(self._clock.event(self.stage, a.phase + a.op, a.microbatch, a.index, start))
             for work, _ in self._sends:
                 work.wait()
         finally:
@@ -93,26 +91,23 @@ class HelixRuntime(PipelineRuntime):
     def _block_args(self, mb: int, layer: int) -> tuple[tuple, dict]:
         return self._capture(mb).block_args[layer - 1]
 
-    def _forward_action(self, a: HelixAction, results: dict) -> float:
+    def _forward_action(self, a: HelixAction, results: dict) -> None:
         j, mb, L, p = a.index, a.microbatch, self.num_layers, self.num_stages
         if a.op == "A":
-            (q, k, v, r), blocked = self._recv(4, (j - 1) % p, "qkv", j, mb)
+            q, k, v, r = self._recv(4, (j - 1) % p, "qkv", j, mb)
             args, kwargs = self._block_args(mb, j)
             out = self.adapter.attention(self.trunk.blocks[j - 1], q, k, v, args, kwargs)
             self._saved[a] = ([q, k, v, r], [out])
             self._send([out, r], j % p, "out", j, mb)
-            return blocked
+            return
         cap = self._capture(mb)
-        blocked, inputs = 0.0, []
-        if j > 0:
-            (o, r), blocked = self._recv(2, attention_stage(j, mb, p, self.folds), "out", j, mb)
-            inputs = [o, r]
+        inputs = self._recv(2, attention_stage(j, mb, p, self.folds), "out", j, mb) if j > 0 else []
         if j == L:
-            return blocked + self._loss_forward(a, inputs, results)
+            self._loss_forward(a, inputs, results)
+            return
         outputs = self._chunk(j, mb, cap.trunk_input if j == 0 else None, inputs)
         self._saved[a] = (inputs, outputs)
         self._send(outputs, attention_stage(j + 1, mb, p, self.folds), "qkv", j + 1, mb)
-        return blocked
 
     def _chunk(self, j: int, mb: int, trunk_input: Tensor | None, inputs: list[Tensor]) -> list[Tensor]:
         """post-attention of layer j (unless j == 0) then pre-attention of layer j+1: (q, k, v, residual)."""
@@ -131,7 +126,7 @@ class HelixRuntime(PipelineRuntime):
         args, kwargs = self._block_args(mb, layer)
         return self.adapter.post(self.trunk.blocks[layer - 1], out, residual, args, kwargs)
 
-    def _loss_forward(self, a: HelixAction, inputs: list[Tensor], results: dict) -> float:
+    def _loss_forward(self, a: HelixAction, inputs: list[Tensor], results: dict) -> None:
         mb = a.microbatch
         step = self._steps[mb]
         self.phase = "loss"
@@ -149,29 +144,27 @@ class HelixRuntime(PipelineRuntime):
             self.phase = None
         self._saved[a] = (inputs, [loss])
         results[mb] = (loss.detach(), step_out)
-        return 0.0
 
-    def _backward_action(self, a: HelixAction) -> float:
+    def _backward_action(self, a: HelixAction) -> None:
         j, mb = a.index, a.microbatch
         forward = HelixAction("F", a.op, j, mb)
         inputs, outputs = self._saved.pop(forward)
         self._remaining[mb] -= 1
         try:
-            return self._backward(a, inputs, outputs)
+            self._backward(a, inputs, outputs)
         finally:
             if self._remaining[mb] == 0:
                 self._captures.pop(mb, None)
 
-    def _backward(self, a: HelixAction, inputs: list[Tensor], outputs: list[Tensor]) -> float:
+    def _backward(self, a: HelixAction, inputs: list[Tensor], outputs: list[Tensor]) -> None:
         j, mb, L, p = a.index, a.microbatch, self.num_layers, self.num_stages
         if a.op == "A":
-            (grad_out, grad_r), blocked = self._recv(2, j % p, "grad_out", j, mb)
+            grad_out, grad_r = self._recv(2, j % p, "grad_out", j, mb)
             torch.autograd.backward(outputs, [grad_out])
             q, k, v, _ = inputs
             grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (q, k, v)]
             self._send([*grads, grad_r], (j - 1) % p, "grad_qkv", j, mb)
-            return blocked
-        blocked = 0.0
+            return
         if j == L:
             loss = outputs[0]
             if self.recompute:  # the head and loss inside the backward step, logging suppressed
@@ -179,7 +172,7 @@ class HelixRuntime(PipelineRuntime):
                 loss = self._loss_of(self.quiet_step(lambda: substitute(self.trunk, self._steps[mb], y)))
             torch.autograd.backward(loss * self._weights[mb], retain_graph=self._capture(mb).needs_grad)
         else:
-            grads, blocked = self._recv(4, attention_stage(j + 1, mb, p, self.folds), "grad_qkv", j + 1, mb)
+            grads = self._recv(4, attention_stage(j + 1, mb, p, self.folds), "grad_qkv", j + 1, mb)
             torch.autograd.backward(outputs, grads, retain_graph=self._capture(mb).needs_grad)
         if j > 0:
             o, r = inputs
@@ -190,7 +183,6 @@ class HelixRuntime(PipelineRuntime):
                 j,
                 mb,
             )
-        return blocked
 
     # ---------------------------------------------------------------------------- lock-step
     def lockstep(self, step: Callable[[], Any]) -> Any:  # type: ignore[override]
@@ -216,7 +208,7 @@ class HelixRuntime(PipelineRuntime):
                 if self.stage == post_stage:
                     if post_stage != pre_stage:
                         src = self.rank_of_stage(pre_stage)
-                        q, k, v, r = _collectives.recv_packed(src, tag, self.group, self.device)
+                        (q, k, v, r), _ = _collectives.recv_packed(src, tag, self.group, self.device)
                     out = self.adapter.attention(block, q, k, v, args, kwargs)
                     state["x"] = self.adapter.post(block, out, r, args, kwargs)
                 if i == L - 1:

@@ -12,8 +12,9 @@ Per forward action (micro-batch i, chunk c) on the stage that owns chunk c:
 
 Per backward action: back-propagate the loss (scaled by the micro-batch's weight) or the received
 output gradient, and send the input's gradient back. Sends are posted without waiting and completed at
-the end of the step; only receives block. Every action is recorded in ``timeline`` (start, end, time
-blocked in receives, and the producer's send time of the received message).
+the end of the step; only receives block. Every action is recorded in ``timeline`` (start, end, when
+its receive started and ended, and the producer's send time carried in the message's header), all in
+``time.time()`` so that events of different processes share one clock.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def structure_of(output: Any) -> Any:
 
 @dataclass
 class TimelineEvent:
-    """One executed action, times from ``time.perf_counter`` (wall times for ``producer_sent``)."""
+    """One executed action, wall times (``time.time()``, seconds). ``recv_start``/``recv_end`` bound the
+    action's blocking receive, if it had one; ``producer_sent`` is when the producer posted that message."""
 
     stage: int
     kind: str
@@ -57,8 +59,33 @@ class TimelineEvent:
     chunk: int
     start: float
     end: float
-    blocked: float
+    recv_start: float | None = None
+    recv_end: float | None = None
     producer_sent: float | None = None
+
+    @property
+    def blocked(self) -> float:
+        """Seconds spent blocked in the receive."""
+        return 0.0 if self.recv_start is None or self.recv_end is None else self.recv_end - self.recv_start
+
+
+class RecvClock:
+    """Times one action's blocking receive for its ``TimelineEvent``."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.end: float | None = None
+        self.sent: float | None = None
+
+    def __enter__(self) -> RecvClock:
+        self.start = time.time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.end = time.time()
+
+    def event(self, stage: int, kind: str, microbatch: int, chunk: int, start: float) -> TimelineEvent:
+        return TimelineEvent(stage, kind, microbatch, chunk, start, time.time(), self.start, self.end, self.sent)
 
 
 class PipelineRuntime:
@@ -109,11 +136,9 @@ class PipelineRuntime:
         results: dict[int, tuple[Tensor, Any]] = {}
         try:
             for a in actions:
-                start = time.perf_counter()
-                blocked, sent = self._forward(a, results) if a.kind == "F" else self._backward(a)
-                self.timeline.append(
-                    TimelineEvent(self.stage, a.kind, a.microbatch, a.chunk, start, time.perf_counter(), blocked, sent)
-                )
+                start, self._clock = time.time(), RecvClock()
+                self._forward(a, results) if a.kind == "F" else self._backward(a)
+                self.timeline.append(self._clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
             for work, _ in self._sends:
                 work.wait()
         finally:
@@ -151,16 +176,16 @@ class PipelineRuntime:
             hidden = unwrap_output(out, self.trunk.blocks[j])
         return out
 
-    def _forward(self, a: Action, results: dict) -> tuple[float, float | None]:
+    def _forward(self, a: Action, results: dict) -> None:
         i, c = a.microbatch, a.chunk
         cap = self._capture(i)
-        blocked, sent = 0.0, None
         if c == 0:
             x = cap.trunk_input
         else:
-            t0 = time.perf_counter()
-            x, sent = _collectives.recv_with_header(self.rank_of(c - 1), self._tag("F", i, c), self.group, self.device)
-            blocked = time.perf_counter() - t0
+            with self._clock as clock:
+                x, clock.sent = _collectives.recv_with_header(
+                    self.rank_of(c - 1), self._tag("F", i, c), self.group, self.device
+                )
             x.requires_grad_(True)
         out = self._run_chunk(c, x, cap)
         y = unwrap_output(out, self.trunk.blocks[-1])
@@ -177,27 +202,25 @@ class PipelineRuntime:
         else:
             self._sends += _collectives.isend_with_header(y, self.rank_of(c + 1), self._tag("F", i, c + 1), self.group)
             self._saved[(i, c)] = (x, y)
-        return blocked, sent
 
-    def _backward(self, a: Action) -> tuple[float, None]:
+    def _backward(self, a: Action) -> None:
         i, c = a.microbatch, a.chunk
         x, y = self._saved.pop((i, c))
         retain = self._captures[i].needs_grad and self._pending_chunks[i] > 1
-        blocked = 0.0
         if c == self.num_chunks - 1:
             torch.autograd.backward(y * self._weights[i], retain_graph=retain)
         else:
-            t0 = time.perf_counter()
-            grad = _collectives.recv_into(torch.empty_like(y), self.rank_of(c + 1), self._tag("B", i, c), self.group)
-            blocked = time.perf_counter() - t0
+            with self._clock as clock:
+                grad, clock.sent = _collectives.recv_into_timed(
+                    torch.empty_like(y), self.rank_of(c + 1), self._tag("B", i, c), self.group
+                )
             torch.autograd.backward(y, grad, retain_graph=retain)
         if c > 0:
             grad_x = x.grad if x.grad is not None else torch.zeros_like(x)
-            self._sends.append(_collectives.isend(grad_x, self.rank_of(c - 1), self._tag("B", i, c - 1), self.group))
+            self._sends += _collectives.isend_timed(grad_x, self.rank_of(c - 1), self._tag("B", i, c - 1), self.group)
         self._pending_chunks[i] -= 1
         if self._pending_chunks[i] == 0:
             del self._captures[i]
-        return blocked, None
 
     def _tag(self, kind: str, microbatch: int, chunk: int) -> int:
         """The tag of the message consumed by action (kind, microbatch, chunk); unique within a step."""

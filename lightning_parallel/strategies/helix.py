@@ -13,6 +13,7 @@ without attention and a chunked MLP (both switchable). The loss stage is stage 0
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Optional
 
 import torch
@@ -24,8 +25,9 @@ from lightning_parallel.adapters import BlockAdapter, find_adapter, verify_adapt
 from lightning_parallel.mesh import PP, Size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters
-from lightning_parallel.pipeline.helix_schedule import check_sizes, helix
+from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
+from lightning_parallel.pipeline.schedules import Simulation
 from lightning_parallel.pipeline.trunk import discover_trunk, parameter_bytes
 from lightning_parallel.strategies._logging import (
     LogRecorder,
@@ -125,6 +127,12 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         self.runtime.quiet_step = self._quiet
         self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
+
+    @override
+    def simulate_schedule(self, cost: Callable[[str, int], float]) -> Simulation:
+        assert self.runtime is not None, "the schedule is built when training starts"
+        L, m = self.runtime.num_layers, self.num_microbatches
+        return simulate_helix(self.schedule, L, m, self._folds, lambda a: cost(a.phase + a.op, a.index))
 
     @override
     def _apply_recompute(self, module: nn.Module) -> None:

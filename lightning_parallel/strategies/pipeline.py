@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
@@ -36,7 +36,7 @@ from lightning_parallel.mesh import PP, Size, check_size
 from lightning_parallel.pipeline import gradients
 from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
 from lightning_parallel.pipeline.runtime import PipelineRuntime
-from lightning_parallel.pipeline.schedules import SCHEDULES, build_schedule
+from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
 from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks
 from lightning_parallel.strategies import _checkpoint
 from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records, replay_logs
@@ -131,6 +131,11 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def _validate_schedule(self) -> None:
         dims = self.parallel_dims
         self.schedule = build_schedule(self._schedule_name, dims.pp, self.num_microbatches, self._virtual)
+
+    def simulate_schedule(self, cost: Callable[[str, int], float]) -> Simulation:
+        """The schedule on a virtual clock, ``cost(kind, chunk)`` seconds per action (for the profilers)."""
+        chunks = self.parallel_dims.pp * self._virtual
+        return simulate(self.schedule, chunks, self.num_microbatches, cost=lambda a: cost(a.kind, a.chunk))
 
     # ---------------------------------------------------------------------------------- setup
     @override

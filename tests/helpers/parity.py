@@ -204,8 +204,11 @@ def reference(model: str, dtype: str, optimizer: str, steps: int, global_batch: 
     )
 
 
-def _parallel_rank(rank: int, world_size: int, strategy: Callable[[], Any], args: tuple, extra: dict) -> Records:
-    return _fit(*args, dict(extra), devices=world_size, strategy=strategy())
+def _parallel_rank(
+    rank: int, world_size: int, strategy: Callable[[], Any], args: tuple, extra: dict, callbacks: Any
+) -> Records:
+    more = callbacks() if callbacks is not None else []
+    return _fit(*args, dict(extra), devices=world_size, strategy=strategy(), extra_callbacks=more)
 
 
 def assert_parity(
@@ -218,12 +221,14 @@ def assert_parity(
     optimizer: str | None = None,
     steps: int = 3,
     global_batch: int = 8,
+    callbacks: Callable[[], list] | None = None,
     **trainer_kwargs: Any,
 ) -> None:
     """Train ``model`` under ``strategy()`` on ``world_size`` ranks and single-process; assert equality.
 
     ``strategy`` is a zero-argument factory called inside each rank. ``trainer_kwargs`` (e.g.
-    ``accumulate_grad_batches``, ``gradient_clip_val``) go to both Trainers.
+    ``accumulate_grad_batches``, ``gradient_clip_val``) go to both Trainers; ``callbacks()`` (e.g. the
+    profilers, which must not change numerics) only to the parallel one.
     """
     optimizer = optimizer or ("adamw" if dtype == "float64" else "sgd")
     if dtype == "float32" and optimizer != "sgd":
@@ -233,7 +238,9 @@ def assert_parity(
     extra = tuple(sorted(trainer_kwargs.items()))
     ref = reference(model, dtype, optimizer, steps, global_batch, extra)
     args = (model, dtype, optimizer, steps, global_batch // data_parallel_size)
-    per_rank = run_distributed(_parallel_rank, world_size, strategy, args, trainer_kwargs, init_process_group=False)
+    per_rank = run_distributed(
+        _parallel_rank, world_size, strategy, args, trainer_kwargs, callbacks, init_process_group=False
+    )
     tol = TOLERANCES[dtype]
     for rank, got in enumerate(per_rank):
         where = f"{model} {dtype} rank {rank}"

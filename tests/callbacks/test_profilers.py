@@ -1,0 +1,259 @@
+"""BubbleProfiler and MemoryProfiler (issue 6): measured bubble vs theory, trace schema, pictures,
+numerics untouched, every strategy, and the memory ratio the pipeline benchmark reports."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import jsonschema
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
+from lightning_parallel.callbacks import BubbleProfiler, MemoryProfiler
+from lightning_parallel.callbacks.timeline import analyze, chrome_trace, split_receive
+from lightning_parallel.pipeline.runtime import TimelineEvent
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import assert_parity
+
+# ----------------------------------------------------------------------------- analysis, pure
+
+
+def test_receive_splits_into_wait_before_and_transfer_after_the_producer_sent():
+    e = TimelineEvent(0, "F", 0, 1, start=10.0, end=14.0, recv_start=10.5, recv_end=12.0, producer_sent=11.0)
+    assert split_receive(e) == pytest.approx((0.5, 1.0))
+    early = TimelineEvent(0, "F", 0, 1, 10.0, 14.0, recv_start=10.5, recv_end=12.0, producer_sent=9.0)
+    assert split_receive(early) == pytest.approx((0.0, 1.5))  # the message waited for us: all transfer
+
+
+def test_analyze_counts_idle_gaps_and_waits_as_bubble_and_transfer_as_communication():
+    s0 = [TimelineEvent(0, "F", 0, 0, 0.0, 1.0), TimelineEvent(0, "B", 0, 0, 3.0, 4.0, 3.0, 3.5, 3.2)]
+    s1 = [TimelineEvent(1, "F", 0, 1, 0.0, 2.0, 0.0, 1.0, 1.0), TimelineEvent(1, "B", 0, 1, 2.0, 3.0)]
+    times = analyze({0: s0, 1: s1})
+    assert times[0].window == times[1].window == 4.0
+    assert times[0].compute == pytest.approx(1.5) and times[0].transfer == pytest.approx(0.3)
+    assert times[0].bubble == pytest.approx((4.0 - 1.5 - 0.3) / 4.0)
+    assert times[1].wait == pytest.approx(1.0) and times[1].transfer == 0.0
+    assert times[1].bubble == pytest.approx(0.5)
+
+
+# Chrome trace event format (JSON object form), the fields Perfetto and chrome://tracing read.
+TRACE_SCHEMA = {
+    "type": "object",
+    "required": ["traceEvents"],
+    "properties": {
+        "displayTimeUnit": {"enum": ["ms", "ns"]},
+        "traceEvents": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["name", "ph", "pid", "tid"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "cat": {"type": "string"},
+                    "ph": {"enum": ["X", "M", "B", "E", "i", "C"]},
+                    "pid": {"type": "integer"},
+                    "tid": {"type": "integer"},
+                    "ts": {"type": "number", "minimum": 0},
+                    "dur": {"type": "number", "minimum": 0},
+                    "args": {"type": "object"},
+                },
+                "allOf": [
+                    {"if": {"properties": {"ph": {"const": "X"}}}, "then": {"required": ["ts", "dur"]}},
+                    {"if": {"properties": {"ph": {"const": "M"}}}, "then": {"required": ["args"]}},
+                ],
+            },
+        },
+    },
+}
+
+
+def test_trace_schema_rejects_a_malformed_trace():
+    jsonschema.validate(chrome_trace([(0, {0: [TimelineEvent(0, "F", 0, 0, 1.0, 2.0)]})], {0: 0}), TRACE_SCHEMA)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"traceEvents": [{"name": "x", "ph": "X", "pid": 0, "tid": 0, "ts": 1}]}, TRACE_SCHEMA)
+
+
+def _assert_png(path: Path, min_side: int = 200) -> None:
+    import matplotlib.image
+
+    assert path.stat().st_size > 10_000, f"{path} is suspiciously small"
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] >= min_side and image.shape[1] >= min_side
+    assert image[..., :3].std() > 0.05, f"{path} is (nearly) one colour"
+    assert len({tuple(px) for px in image[::7, ::7, :3].reshape(-1, 3).round(2).tolist()}) > 8
+
+
+# --------------------------------------------------- a deliberately slow, deterministic pipeline
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps: forward ``f`` s, backward ``2f`` s (deterministic cost, no CPU contention)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):  # type: ignore[override]
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SleepBlock(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x + 0.1 * self.lin(x), self.seconds)
+
+
+class SleepNet(L.LightningModule):
+    def __init__(self, blocks: int = 4, seconds: float = 0.01) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(SleepBlock(seconds) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch[0]).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _loader(m: int, steps: int) -> DataLoader:
+    x = torch.randn(m * steps, 4, 8, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x), batch_size=m)
+
+
+def _fit(strategy, devices: int, root: str, module: L.LightningModule, loader: DataLoader, steps: int, callbacks):
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, callbacks=callbacks, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _gpipe_bubble(rank, world_size, m, root):
+    torch.manual_seed(0)
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=m, schedule="gpipe")
+    return _fit(strategy, 2, root, SleepNet(), _loader(m, 3), 3, [BubbleProfiler(trace_steps=2)])
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_gpipe_measured_bubble_within_005_of_theory(m):
+    p = 2
+    theory = (p - 1) / (m + p - 1)
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(_gpipe_bubble, 2, m, root, init_process_group=False, timeout=120)
+        assert ranks[0] == ranks[1], "ranks logged different bubble metrics"
+        got = ranks[0]
+        for s in range(p):
+            assert got[f"bubble/theory_stage_{s}"] == pytest.approx(theory, abs=0.02)  # equal costs: the formula
+            assert abs(got[f"bubble/stage_{s}"] - theory) <= 0.05, (s, got)
+        assert abs(got["bubble/mean"] - theory) <= 0.05
+        assert 0 <= got["comm/mean"] < 0.05  # tiny messages between two local processes
+        trace = json.loads((Path(root) / "bubble_trace.json").read_text())
+        jsonschema.validate(trace, TRACE_SCHEMA)
+        actions = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
+        assert len(actions) == 2 * 2 * m * 2  # 2 steps x 2 stages x m micro-batches x (F, B)
+        assert {e["pid"] for e in actions} == {0, 1}
+        _assert_png(Path(root) / "bubble_timeline.png")
+
+
+# ------------------------------------------------------------ every strategy, numerics untouched
+
+
+def _profiled(rank, world_size, strategy_name, root):
+    torch.manual_seed(0)
+    strategy = {
+        "hybrid": lambda: HybridParallelStrategy(data_parallel_size=2),
+        "ddp": lambda: "ddp",
+        "helix": lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4),
+    }[strategy_name]()
+    module = SleepNet(seconds=0.0)
+    return _fit(strategy, world_size, root, module, _loader(4, 2), 2, [BubbleProfiler(), MemoryProfiler()])
+
+
+@pytest.mark.parametrize("strategy_name", ["hybrid", "ddp"])
+def test_profilers_without_a_pipeline_report_communication_and_memory(strategy_name):
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(_profiled, 2, strategy_name, root, init_process_group=False, timeout=120)
+        got = ranks[0]
+        profiled = [{k: v for k, v in r.items() if k.split("/")[0] in ("bubble", "comm", "memory")} for r in ranks]
+        assert profiled[0] == profiled[1], "the profilers' metrics differ between ranks"
+        assert 0 <= got["comm/mean"] <= got["comm/max"] <= 1 and got["bubble/step_s"] > 0
+        if strategy_name == "hybrid":  # our dp all-reduce is timed; DDP's overlapped buckets are not visible
+            assert got["comm/max"] > 0
+        assert got["memory/peak_live_mib/stage_0"] > 0 and got["memory/peak_live_mib/stage_1"] > 0
+        assert got["memory/peak_rss_mib"] > 50
+        assert not (Path(root) / "bubble_trace.json").exists()  # no schedule, no trace
+        _assert_png(Path(root) / "memory.png")
+
+
+def test_profilers_on_a_single_device():
+    with tempfile.TemporaryDirectory() as root:
+        got = _fit("auto", 1, root, SleepNet(seconds=0.0), _loader(4, 2), 2, [BubbleProfiler(), MemoryProfiler()])
+        assert got["comm/mean"] == 0.0 and got["memory/stage_ratio"] == 1.0
+
+
+def test_memory_profiler_warns_on_imbalance_and_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="imbalance_warning is a max/min ratio and must be >= 1, got 0.5"):
+        MemoryProfiler(imbalance_warning=0.5)
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1 or None, got 0"):
+        BubbleProfiler(every_n_steps=0)
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(_imbalanced, 2, root, init_process_group=False, timeout=120)
+    assert ranks[0][0] > 1.3  # 1F1B: stage 0 keeps 2 micro-batches in flight, stage 1 one
+    assert any("imbalance_warning=1.01" in w for w in ranks[0][1])
+
+
+def _imbalanced(rank, world_size, root):
+    import warnings
+
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    module = GPT(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=32, optimizer="sgd")
+    x = torch.randint(0, 65, (8, 65), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(list(zip(x[:, :-1], x[:, 1:])), batch_size=4)
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _fit(strategy, 2, root, module, loader, 2, [MemoryProfiler(imbalance_warning=1.01, plot=False)])
+    return got["memory/stage_ratio"], [str(w.message) for w in caught]
+
+
+def _profilers():
+    return [BubbleProfiler(plot=False), MemoryProfiler(plot=False)]
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "helix"])
+def test_profilers_do_not_change_numerics(strategy):
+    make = (
+        (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4))
+        if strategy == "pipeline"
+        else (lambda: HelixParallelStrategy(pipeline_parallel_size=2))
+    )
+    assert_parity("gpt", make, 2, data_parallel_size=1, callbacks=_profilers)
