@@ -18,8 +18,9 @@ repeat A/B/A/B after a warm-up round, and the table reports medians. Rows:
   ``+rc`` rows use recomputation without attention (helix's default, with its MLP in 2 chunks) and are
   compared with ``ours 1f1b +rc`` (1F1B with the same ``no_attention`` policy), like with like.
 
-Also reported: the measured bubble fraction of each stage (1 - busy / makespan, from our runtimes'
-timelines), parameter bytes per stage, and the peak live bytes per stage during one extra, untimed step
+Also reported: the measured bubble fraction of each stage of the last timed step (idle / window, from
+our runtimes' timelines, with the transfer part of receives not counted as idle: exactly what
+``BubbleProfiler`` logs, see ``lightning_parallel/callbacks/timeline.py``), parameter bytes per stage, and the peak live bytes per stage during one extra, untimed step
 measured with ``LiveTensorTracker`` (activations, including what checkpointing keeps, and gradients).
 """
 
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT  # noqa: E402
 from lightning_parallel.adapters import find_adapter  # noqa: E402
+from lightning_parallel.callbacks.timeline import analyze  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix  # noqa: E402
@@ -135,10 +137,7 @@ class Ours:
             self.runtime.run(self.actions, steps, lambda out: out, [1.0 / self.m] * self.m)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        tl = self.runtime.timeline
-        makespan = tl[-1].end - tl[0].start
-        busy = sum(e.end - e.start - e.blocked for e in tl)
-        return {"saved": meter.peak, "bubble": 1 - busy / makespan, "params": parameter_bytes(self.model)}
+        return {"saved": meter.peak, "events": list(self.runtime.timeline), "params": parameter_bytes(self.model)}
 
 
 class OursHelix(Ours):
@@ -245,6 +244,11 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 extra[name] = info
+    for info in extra.values():  # the bubble of the last timed step, as BubbleProfiler measures it
+        if "events" in info:
+            everyone: list = [None, None]
+            dist.all_gather_object(everyone, info.pop("events"))
+            info["bubble"] = analyze(dict(enumerate(everyone)))[rank].bubble
     for name, cfg in configs.items():  # one more, untimed step per configuration for memory
         dist.barrier()
         tracker = LiveTensorTracker()

@@ -19,3 +19,18 @@ def test_demo_config_trains_on_two_processes_and_the_loss_falls(tmp_path):
     losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss ([\d.]+)$", proc.stdout, flags=re.M)]
     assert len(losses) == 3, proc.stdout
     assert losses[-1] < losses[0], losses
+
+
+def test_readme_demo_helix_config_writes_the_profilers_files(tmp_path):
+    cmd = [
+        sys.executable, "-m", "examples.train", "fit", "--config", str(ROOT / "examples/configs/helix.yaml"),
+        "--trainer.max_steps=20", "--trainer.val_check_interval=20", f"--trainer.default_root_dir={tmp_path}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^step\s+20\s+loss [\d.]+$", proc.stdout, flags=re.M), proc.stdout
+    (log_dir,) = (tmp_path / "lightning_logs").iterdir()
+    for name in ("bubble_trace.json", "bubble_timeline.png", "memory.png"):
+        assert (log_dir / name).stat().st_size > 1000, name
+    header = (log_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"bubble/stage_0", "bubble/theory_mean", "memory/peak_live_mib/stage_1", "memory/stage_ratio"} <= set(header)

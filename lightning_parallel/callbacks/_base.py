@@ -35,7 +35,8 @@ def position(trainer: pl.Trainer) -> tuple[int, int]:
 
 class ProfilerCallback(Callback):
     """Resolves the output directory on every rank (``trainer.log_dir`` broadcasts), gathers one summary
-    per rank and step, and measures the callback's own time (``self_seconds``) against step time."""
+    per rank and step, and measures the callback's own time per step (``self_seconds``, against
+    ``step_seconds``) apart from the time it spends writing its files (``write_seconds``)."""
 
     def __init__(self, dirpath: str | os.PathLike | None = None, every_n_steps: int | None = None) -> None:
         if every_n_steps is not None and every_n_steps < 1:
@@ -43,6 +44,7 @@ class ProfilerCallback(Callback):
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
         self.self_seconds = 0.0
+        self.write_seconds = 0.0
         self.step_seconds = 0.0
         self._step_start = 0.0
 
@@ -71,6 +73,9 @@ class ProfilerCallback(Callback):
 
     def _end(self, began: float) -> None:
         self.self_seconds += time.perf_counter() - began
+
+    def _end_write(self, began: float) -> None:
+        self.write_seconds += time.perf_counter() - began
 
 
 def log_metrics(pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:

@@ -28,6 +28,7 @@ from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_parallel import _collectives
 from lightning_parallel.callbacks._base import ProfilerCallback, log_metrics, pipeline_of, position
@@ -126,7 +127,8 @@ class BubbleProfiler(ProfilerCallback):
             theory = " / ".join(f"{self.last.get(f'bubble/theory_stage_{s}', 0):.2f}" for s in stages)
             title = f"{type(trainer.strategy).__name__}, step {step}: bubble per stage {measured} (theory {theory})"
             plot_timeline(events, self.stage_of, self._output(f"bubble_timeline{suffix}.png"), title)
-        self._end(began)
+        self._end_write(began)
+        rank_zero_info(f"BubbleProfiler: wrote bubble_trace{suffix}.json and its PNG to {self.dirpath}")
 
 
 def _plain_metrics(gathered: list[dict[str, Any]]) -> dict[str, float]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_parallel.callbacks._base import ProfilerCallback, log_metrics, pipeline_of, position
 from lightning_parallel.memory import LiveTensorTracker
@@ -130,7 +131,8 @@ class MemoryProfiler(ProfilerCallback):
             labels = {g["rank"]: f"stage {g['stage']} (rank {g['rank']})" for g in gathered}
             title = f"{type(trainer.strategy).__name__}: live tensor bytes over step {trainer.global_step}"
             plot_memory(series, labels, self._output(f"memory{suffix}.png"), title)
-        self._end(began)
+            rank_zero_info(f"MemoryProfiler: wrote {self.dirpath / f'memory{suffix}.png'}")
+        self._end_write(began)
 
 
 def _metrics(gathered: list[dict[str, Any]], pipeline: bool) -> dict[str, float]:

@@ -257,3 +257,55 @@ def test_profilers_do_not_change_numerics(strategy):
         else (lambda: HelixParallelStrategy(pipeline_parallel_size=2))
     )
     assert_parity("gpt", make, 2, data_parallel_size=1, callbacks=_profilers)
+
+
+# ------------------------------------------- the memory ratio the pipeline benchmark's table reports
+
+
+def _benchmark_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("benchmark_pipeline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ratio_both_ways(rank, world_size, name, root):
+    """Stage ratio of peak live bytes: the benchmark's measurement (its own code, outside the Trainer)
+    and MemoryProfiler's inside a Trainer running the same model, batch, split and recomputation."""
+    import torch.distributed as dist
+
+    bench = _benchmark_module()
+    T, m = 256, 4
+    if name == "1f1b":
+        cfg = bench.Ours(T, m, rank, "1f1b")
+        strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=m, recompute="none")
+    else:
+        cfg = bench.OursHelix(T, m, rank, recompute=True)  # helix's default: "ours helix +rc" in the table
+        strategy = HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=m)
+    bench_live = []
+    for _ in range(2):  # the benchmark measures after warm-up steps
+        tracker = bench.LiveTensorTracker()
+        with tracker:
+            cfg.step(rank)
+        bench_live.append(tracker.peak)
+    peaks = [None, None]
+    dist.all_gather_object(peaks, bench_live[-1])
+    dist.destroy_process_group()
+    del cfg
+    module = bench.make_model(T)
+    module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1e-3)
+    x, y = bench.batch(T, m)
+    loader = DataLoader(list(zip(x, y)), batch_size=m)
+    profiler = MemoryProfiler(plot=False, imbalance_warning=10.0)
+    got = _fit(strategy, 2, root, module, loader, 3, [profiler])  # the ratio of the last step is logged
+    return max(peaks) / min(peaks), got["memory/stage_ratio"]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "helix"])
+def test_memory_profiler_ratio_equals_the_benchmark_tables(name):
+    with tempfile.TemporaryDirectory() as root:
+        bench_ratio, profiler_ratio = run_distributed(_ratio_both_ways, 2, name, root, timeout=150)[0]
+    assert profiler_ratio == pytest.approx(bench_ratio, rel=0.05), (bench_ratio, profiler_ratio)
