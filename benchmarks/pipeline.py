@@ -45,12 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT  # noqa: E402
 from lightning_parallel.adapters import find_adapter  # noqa: E402
-from lightning_parallel.callbacks.timeline import analyze  # noqa: E402
+from lightning_parallel.callbacks.timeline import analyze, mean_costs  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters  # noqa: E402
-from lightning_parallel.pipeline.helix_schedule import helix  # noqa: E402
+from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # noqa: E402
 from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
-from lightning_parallel.pipeline.schedules import build_schedule  # noqa: E402
+from lightning_parallel.pipeline.schedules import build_schedule, simulate  # noqa: E402
 from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks  # noqa: E402
 from lightning_parallel.recompute import apply_recompute  # noqa: E402
 
@@ -244,11 +244,13 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 extra[name] = info
-    for info in extra.values():  # the bubble of the last timed step, as BubbleProfiler measures it
+    for name, info in extra.items():  # the bubble of the last timed step, as BubbleProfiler measures it
         if "events" in info:
             everyone: list = [None, None]
             dist.all_gather_object(everyone, info.pop("events"))
-            info["bubble"] = analyze(dict(enumerate(everyone)))[rank].bubble
+            breakdown = analyze(dict(enumerate(everyone)))[rank]
+            info["bubble"], info["times"] = breakdown.bubble, breakdown
+            info["theory"] = theory(name, m, everyone, rank)
     for name, cfg in configs.items():  # one more, untimed step per configuration for memory
         dist.barrier()
         tracker = LiveTensorTracker()
@@ -257,6 +259,19 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
         extra[name]["live"] = tracker.peak
         dist.barrier()
     return [(seq_len, m, name, statistics.median(times[name]), extra[name]) for name in configs]
+
+
+def theory(name: str, m: int, everyone: list, rank: int) -> float:
+    """The schedule's bubble on a virtual clock with the step's measured mean action costs, no latency."""
+    costs = mean_costs(e for events in everyone for e in events)
+    if "helix" in name:
+        folds = 2 if m % 4 == 0 else 1
+        sim = simulate_helix(helix(2, LAYERS, m, folds), LAYERS, m, folds, lambda a: costs[(a.phase + a.op, a.index)])
+    else:
+        v = 2 if "interleaved" in name else 1
+        schedule = build_schedule({"gpipe": "gpipe", "inte": "interleaved_1f1b"}.get(name[5:9], "1f1b"), 2, m, v)
+        sim = simulate(schedule, 2 * v, m, cost=lambda a: costs[(a.kind, a.chunk)])
+    return sim.bubble(rank)
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
@@ -270,6 +285,25 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) 
     out.put((rank, rows))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def collect(procs: list, out: mp.SimpleQueue) -> dict:
+    """Each worker's result; if one dies first, kill the others and exit with its code (never hang)."""
+    results: dict = {}
+    while len(results) < len(procs):
+        if not out.empty():
+            rank, rows = out.get()
+            results[rank] = rows
+            continue
+        failed = [p for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            for p in procs:
+                p.kill()
+            sys.exit(f"a benchmark worker failed with exit code {failed[0].exitcode}; see its traceback above")
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
+    return results
 
 
 def main() -> None:
@@ -289,9 +323,7 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get() for _ in procs)
-    for p in procs:
-        p.join()
+    results = collect(procs, out)
     print(f"torch {torch.__version__}, 2 processes x 1 thread, medians of {args.reps} interleaved rounds\n")
     columns = ["T", "m", "configuration", "step s (median)", "tokens/s", "vs single 1t", "vs torch 1F1B", "vs ours 1F1B",
                "bubble s0 / s1", "params MiB s0 / s1", "peak live MiB s0 / s1"]  # fmt: skip
@@ -308,6 +340,21 @@ def main() -> None:
         live = f"{info0['live'] / 2**20:.0f} / {info1['live'] / 2**20:.0f}"
         cells = [seq_len, m, name, f"{t:.3f}", f"{seq_len * m / t:.0f}", ratio("single 1t"), ratio("torch Schedule1F1B"),
                  ratio("ours 1f1b"), bubble, params, live]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
+    print("\nWhere the last timed step's time went, per stage s0 / s1 (seconds; BubbleProfiler's breakdown) and the"
+          " schedule's bubble with the measured action costs and no communication cost (theory)\n")  # fmt: skip
+    columns = ["T", "m", "configuration", "window s", "compute s", "waiting s", "transfer s", "bubble", "theory bubble"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for i, (seq_len, m, name, _, info0) in enumerate(results[0]):
+        info1 = results[1][i][4]
+        if "times" not in info0:
+            continue
+        a, b = info0["times"], info1["times"]
+        pair = lambda x, y: f"{x:.3f} / {y:.3f}"  # noqa: E731
+        cells = [seq_len, m, name, f"{a.window:.3f}", pair(a.compute, b.compute), pair(a.wait, b.wait),
+                 pair(a.transfer, b.transfer), f"{a.bubble:.2f} / {b.bubble:.2f}",
+                 f"{info0['theory']:.2f} / {info1['theory']:.2f}"]  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
 
 

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.pipeline import collect  # noqa: E402
 from examples.models import GPT  # noqa: E402
 from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy  # noqa: E402
 from lightning_parallel.callbacks import BubbleProfiler, MemoryProfiler  # noqa: E402
@@ -106,9 +107,7 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get() for _ in procs)
-    for p in procs:
-        p.join()
+    results = collect(procs, out)
     print(f"torch {torch.__version__}, 2 processes x 1 thread, T={args.seq_len}, m={args.m}, "
           f"{args.reps} x (fit without, fit with) of {args.steps} steps, first step of each fit dropped\n")  # fmt: skip
     print("| strategy | step s without | step s with | with / without | self-time per step (worst rank) |"
