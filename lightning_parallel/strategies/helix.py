@@ -175,6 +175,9 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         freed = place_parameters(runtime.trunk, self._adapter, self.stage, self.parallel_dims.pp)
         for opt in self.optimizers:
             for group in opt.param_groups:
+                for q in group["params"]:
+                    if id(q) in freed:
+                        opt.state.pop(q, None)  # e.g. state restored from a checkpoint for the whole model
                 group["params"] = [q for q in group["params"] if id(q) not in freed]
         self._placed = True
         layers = len(runtime.trunk)

@@ -15,7 +15,8 @@ layout and, with gradient accumulation, runs once per optimizer step rather than
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -41,6 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
+from lightning_parallel import checkpoint as _checkpoint
 from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.mesh import DP, PP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
@@ -234,6 +236,72 @@ class HybridParallelStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        lm = self.lightning_module
+        # the full, ordered parameter names of every group, before a pipeline drops other stages' parameters
+        self._group_names = [_checkpoint.group_names(lm, opt) for opt in self.optimizers]
+
+    # ------------------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model under the original names (see :mod:`lightning_parallel.checkpoint`)."""
+        return _checkpoint.local_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} writes torch.distributed.checkpoint directories: no storage_options"
+            )
+        names = getattr(self, "_group_names", [])
+        _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory (any layout) or a plain single-file Lightning checkpoint."""
+        path = os.fspath(checkpoint_path)
+        if os.path.isdir(path):
+            return _checkpoint.load_sharded(path)
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # restore into the placed, precision-converted model: each rank copies only the parameters it holds,
+        # and float64 values are not rounded through the float32 module the user built
+        return True
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        lm = self.lightning_module
+        assert lm is not None
+        state = checkpoint["state_dict"]
+        if strict:
+            _checkpoint.check_state_dict(state, lm.state_dict().keys(), type(lm).__name__)
+        local = _checkpoint.local_state_dict(lm).keys()
+        lm.load_state_dict({k: v for k, v in state.items() if k in local}, strict=False)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Optimizer state by parameter name onto the parameters each rank's optimizer holds; a plain
+        checkpoint's positional state is first named with the full groups of ``configure_optimizers``."""
+        lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]
+        if len(saved_states) != len(self.optimizers):
+            raise _checkpoint.CheckpointError(
+                f"the checkpoint holds {len(saved_states)} optimizer state(s), configure_optimizers returned"
+                f" {len(self.optimizers)}"
+            )
+        for opt, saved, full in zip(self.optimizers, saved_states, self._group_names):
+            if "lp_format" not in checkpoint:
+                saved = _checkpoint.to_by_name(saved, full)
+            opt.load_state_dict(_checkpoint.to_positional(saved, _checkpoint.group_names(lm, opt)))
 
     # ---------------------------------------------------------------- training
     @override

@@ -38,7 +38,6 @@ from lightning_parallel.pipeline.microbatch import batch_checksum, split_microba
 from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
 from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks
-from lightning_parallel.strategies import _checkpoint
 from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records, replay_logs
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 
@@ -315,26 +314,6 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         parts = _collectives.all_gather_object(local, self.pp_group)
         merged = {k: v for part in parts for k, v in part.items()}
         return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters()}
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's part of the model (local blocks + replicated parameters), under original names."""
-        return _checkpoint.local_state_dict(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        _checkpoint.save_sharded(checkpoint, filepath, self.is_global_zero)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        raise NotImplementedError(
-            f"resuming from the sharded pipeline checkpoint {checkpoint_path!r} is not implemented yet (issue 9);"
-            " the directory is a torch.distributed.checkpoint with the original parameter names"
-        )
 
     @override
     def model_to_device(self) -> None:

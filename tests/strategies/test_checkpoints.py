@@ -1,0 +1,274 @@
+"""Checkpoints like Lightning's (issue 9): exact resume, resume under another layout, plain export,
+atomic saves, and clear errors for checkpoints that do not fit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, _collectives
+from lightning_parallel.checkpoint import CheckpointError, load_sharded
+from tests.helpers.distributed import RankFailed, run_distributed
+from tests.helpers.parity import TOLERANCES, Recorder, _OneReplicaSampler, build
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = TOLERANCES["float64"]
+
+#: name -> (strategy factory, devices, data-parallel size)
+LAYOUTS = {
+    "one": (lambda: HybridParallelStrategy(data_parallel_size=1), 1, 1),
+    "dp2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
+    "pp2": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
+    "pp4": (lambda: PipelineParallelStrategy(pipeline_parallel_size=4, num_microbatches=4), 4, 1),
+    "helix2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, 1),
+    "auto": (lambda: "auto", 1, 1),  # Lightning's own single-device strategy and checkpoint format
+}
+
+
+class StateAtStart(L.Callback):
+    """The whole model's parameters and optimizer state (by name) once the checkpoint is restored."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        gather = getattr(strategy, "gather_named_parameters", None)
+        named = {id(p): n for n, p in pl_module.named_parameters()}
+        opt = trainer.optimizers[0]
+        state = {named[id(p)]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                 for p, s in opt.state.items() if id(p) in named}  # fmt: skip
+        parts = _collectives.all_gather_object(state) if _collectives.world_size() > 1 else [state]
+        self.optimizer = {k: v for part in parts for k, v in part.items()}
+        if gather is not None:
+            self.params = {k: v.cpu() for k, v in gather().items()}
+        else:
+            self.params = {k: v.detach().cpu().clone() for k, v in pl_module.named_parameters()}
+
+
+def _train(
+    rank, world_size, layout, steps, ckpt_in=None, ckpt_out=None, model="gpt", batches=4, root=None, epoch_end=False
+):
+    """Train ``steps`` steps (epochs of ``batches``); save to ``ckpt_out`` after fit, or with ``epoch_end``
+    through ``ModelCheckpoint`` at the end of the last epoch (Lightning then marks the epoch complete)."""
+    make, devices, dp = LAYOUTS[layout]
+    module, data = build(model, 8 // dp, "adamw")
+    module.double()  # Lightning restores "auto" checkpoints into the module as built: build it in float64
+    recorder, at_start = Recorder(), StateAtStart()
+    callbacks = [recorder, at_start] + ([_OneReplicaSampler()] if layout == "auto" else [])
+    if epoch_end:
+        path = Path(ckpt_out)
+        callbacks.append(ModelCheckpoint(dirpath=path.parent, filename=path.stem, every_n_epochs=1, save_top_k=1,
+                                         enable_version_counter=False))  # fmt: skip
+        ckpt_out = None
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=make(), precision="64-true",
+        max_steps=-1 if epoch_end else steps, max_epochs=steps // batches if epoch_end else None,
+        limit_train_batches=batches, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        enable_checkpointing=epoch_end, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root or os.getcwd(), callbacks=callbacks,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_in)
+    if ckpt_out is not None:
+        trainer.save_checkpoint(ckpt_out)
+    return [float(x) for x in recorder.records.losses], recorder.records.params[-1], at_start.params, at_start.optimizer
+
+
+def _run(layout, *args, **kwargs):
+    devices = LAYOUTS[layout][1]
+    if layout == "auto":
+        return _train(0, 1, layout, *args, **kwargs)
+    return run_distributed(_train, devices, layout, *args, init_process_group=False, timeout=150, **kwargs)[0]
+
+
+def _assert_close(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), f"{what}: keys differ {sorted(got.keys() ^ want.keys())[:5]}"
+    for k in want:
+        if isinstance(want[k], dict):
+            _assert_close(got[k], want[k], f"{what}[{k}]")
+        elif torch.is_tensor(want[k]):
+            torch.testing.assert_close(got[k], want[k], **TOL, msg=lambda m, k=k: f"{what}[{k}]: {m}")
+        else:
+            assert got[k] == want[k], f"{what}[{k}]"
+
+
+# -------------------------------------------------------------------------------- exact resume
+
+
+@pytest.mark.parametrize("layout", ["pp2", "helix2", "dp2"])
+def test_resume_at_epoch_boundary_continues_the_straight_run_exactly(layout, tmp_path):
+    straight, final, _, _ = _run(layout, 8, ckpt_out=str(tmp_path / "straight.ckpt"), epoch_end=True)
+    ckpt = str(tmp_path / "epoch.ckpt")
+    first, _, _, _ = _run(layout, 4, ckpt_out=ckpt, epoch_end=True)  # one epoch of 4 batches
+    assert os.path.isdir(ckpt) and not os.path.exists(ckpt + ".partial")
+    second, resumed_final, _, _ = _run(layout, 8, ckpt_in=ckpt, ckpt_out=str(tmp_path / "resumed.ckpt"), epoch_end=True)
+    assert len(first) == 4 and len(second) == 4
+    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(straight), **TOL)
+    _assert_close(resumed_final, final, "parameters after step 8")
+
+
+def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
+    """Saved after 3 of 4 batches: the pipeline resumes exactly as Lightning resumes one device."""
+    results = {}
+    for layout in ("auto", "pp2"):
+        ckpt = str(tmp_path / f"{layout}.ckpt")
+        first, _, _, _ = _run(layout, 3, ckpt_out=ckpt)
+        second, final, _, _ = _run(layout, 6, ckpt_in=ckpt)
+        results[layout] = (first + second, final)
+    torch.testing.assert_close(torch.tensor(results["pp2"][0]), torch.tensor(results["auto"][0]), **TOL)
+    _assert_close(results["pp2"][1], results["auto"][1], "parameters after the resumed run")
+
+
+# ----------------------------------------------------------------------------- another layout
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [("pp2", "one"), ("pp2", "helix2"), ("dp2", "pp2"), ("helix2", "pp2"), ("pp2", "dp2")],
+)
+def test_resume_under_another_layout_restores_model_and_optimizer_state(source, target, tmp_path):
+    ckpt = str(tmp_path / f"{source}.ckpt")
+    _run(source, 2, ckpt_out=ckpt)
+    saved = load_sharded(ckpt)
+    _, _, params, optimizer = _run(target, 3, ckpt_in=ckpt)
+    _assert_close(params, {k: v for k, v in saved["state_dict"].items() if k in params}, "parameters")
+    assert params.keys() == {n for n, _ in build("gpt", 8, "adamw")[0].named_parameters()}
+    _assert_close(optimizer, saved["optimizer_states"][0]["state"], "optimizer state")
+    assert all(int(s["step"]) == 2 for s in optimizer.values())
+
+
+@pytest.mark.slow
+def test_resume_from_pp2_under_pp4(tmp_path):
+    ckpt = str(tmp_path / "pp2.ckpt")
+    _run("pp2", 2, ckpt_out=ckpt)
+    saved = load_sharded(ckpt)
+    _, _, params, optimizer = _run("pp4", 3, ckpt_in=ckpt)
+    _assert_close(params, {k: v for k, v in saved["state_dict"].items() if k in params}, "parameters")
+    _assert_close(optimizer, saved["optimizer_states"][0]["state"], "optimizer state")
+
+
+# ------------------------------------------------------------------------------------- export
+
+_LOAD_PLAIN = """
+import sys
+sys.modules["lightning_parallel"] = None  # lightning-parallel is not installed where the file is loaded
+import torch
+from examples.models import GPT
+module = GPT.load_from_checkpoint(sys.argv[1], map_location="cpu")
+torch.save({k: v.detach() for k, v in module.state_dict().items()}, sys.argv[2])
+"""
+
+
+def test_export_writes_a_plain_checkpoint_that_loads_and_resumes_without_us(tmp_path):
+    ckpt, plain = str(tmp_path / "pp2.ckpt"), str(tmp_path / "plain.ckpt")
+    _, _, _, _ = _run("pp2", 2, ckpt_out=ckpt)
+    proc = subprocess.run([sys.executable, "-m", "lightning_parallel.export", ckpt, plain], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    saved = load_sharded(ckpt)
+    loaded = subprocess.run([sys.executable, "-c", _LOAD_PLAIN, plain, str(tmp_path / "sd.pt")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    as_built = {k: v.float() for k, v in saved["state_dict"].items()}  # the module is built in float32
+    _assert_close(torch.load(tmp_path / "sd.pt"), as_built, "load_from_checkpoint")
+    # the plain file resumes in Lightning's own single-device loop and in any of our layouts
+    for layout in ("auto", "helix2"):
+        _, _, params, optimizer = _run(layout, 3, ckpt_in=plain)
+        _assert_close(params, {k: v for k, v in saved["state_dict"].items() if k in params}, f"{layout}: parameters")
+        _assert_close(optimizer, saved["optimizer_states"][0]["state"], f"{layout}: optimizer state")
+
+
+def test_plain_lightning_checkpoint_resumes_under_the_pipeline_like_lightning(tmp_path):
+    plain = str(tmp_path / "auto.ckpt")
+    first, _, _, _ = _run("auto", 4, ckpt_out=plain)
+    auto, _, _, _ = _run("auto", 6, ckpt_in=plain)
+    pp2, _, _, _ = _run("pp2", 6, ckpt_in=plain)
+    torch.testing.assert_close(torch.tensor(pp2), torch.tensor(auto), **TOL)
+
+
+def test_export_cli_reports_a_bad_directory(tmp_path):
+    (tmp_path / "empty.ckpt").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "lightning_parallel.export", str(tmp_path / "empty.ckpt"),
+                           str(tmp_path / "out.ckpt")], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "has no lightning.pt" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- interrupted save, bad input
+
+
+class _FailSecondSave(L.Callback):
+    """After the first checkpoint, make rank 1's DCP writer fail."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 2 and trainer.global_rank == 1:  # the step-1 checkpoint exists by now
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            def broken(*args, **kwargs):
+                raise OSError("injected writer failure on rank 1")
+
+            FileSystemWriter.write_data = broken
+
+
+def _interrupted(rank, world_size, root):
+    module, data = build("gpt", 8, "adamw")
+    ckpt = ModelCheckpoint(
+        dirpath=root, filename="model", every_n_train_steps=1, save_top_k=1, enable_version_counter=False
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4),
+        precision="64-true", max_steps=4, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        callbacks=[_FailSecondSave(), ckpt],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+
+
+def test_a_failed_save_ends_the_job_and_keeps_the_previous_checkpoint(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="injected writer failure on rank 1"):
+        run_distributed(_interrupted, 2, str(tmp_path), init_process_group=False, timeout=120)
+    assert time.monotonic() - t0 < 60, "the job must end with the error, not hang"
+    assert (tmp_path / "model.ckpt").is_dir(), sorted(os.listdir(tmp_path))
+    saved = load_sharded(tmp_path / "model.ckpt")  # the step-1 checkpoint, complete and readable
+    assert saved["global_step"] == 1
+    names = {n for n, _ in build("gpt", 8, "adamw")[0].named_parameters()}
+    assert names <= saved["state_dict"].keys()
+
+
+def test_checkpoint_of_another_model_names_the_parameters(tmp_path):
+    ckpt = str(tmp_path / "gpt.ckpt")
+    _run("pp2", 1, ckpt_out=ckpt)
+    with pytest.raises(RankFailed, match=r"does not match Llama: \d+ missing parameter\(s\) \['.*'\], \d+ unexpected"):
+        _run("pp2", 2, ckpt_in=ckpt, model="llama")
+
+
+def test_partial_and_corrupt_directories_are_refused(tmp_path):
+    ckpt = tmp_path / "gpt.ckpt"
+    _run("pp2", 1, ckpt_out=str(ckpt))
+    (ckpt / "lightning.pt").rename(tmp_path / "moved.pt")
+    with pytest.raises(
+        CheckpointError, match="is not a complete lightning-parallel checkpoint: it has no lightning.pt"
+    ):
+        load_sharded(ckpt)
+    (tmp_path / "moved.pt").rename(ckpt / "lightning.pt")
+    (ckpt / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="the checkpoint's shards cannot be read"):
+        load_sharded(ckpt)
+    with pytest.raises(RankFailed, match="the checkpoint's shards cannot be read"):
+        _run("pp2", 2, ckpt_in=str(ckpt))
+
+
+@pytest.mark.parametrize("model", ["llama", "encoder"])
+def test_other_example_models_resume_under_another_layout(model, tmp_path):
+    ckpt = str(tmp_path / f"{model}.ckpt")
+    _run("pp2", 2, ckpt_out=ckpt, model=model)
+    saved = load_sharded(ckpt)
+    _, _, params, optimizer = _run("helix2", 3, ckpt_in=ckpt, model=model)
+    _assert_close(params, {k: v for k, v in saved["state_dict"].items() if k in params}, "parameters")
+    _assert_close(optimizer, saved["optimizer_states"][0]["state"], "optimizer state")
