@@ -41,6 +41,15 @@ class BlockAdapter(Protocol):
 
     def post(self, block: nn.Module, out: Tensor, residual: Tensor, args: tuple, kwargs: dict) -> Tensor: ...
 
+    def head_counts(self, block: nn.Module) -> tuple[int, int]:
+        """(attention heads, key/value heads)."""
+        ...
+
+    def tp_plan(self, block: nn.Module) -> dict[str, str]:
+        """Tensor parallelism: submodule (or bare parameter) name -> ``"colwise"``, ``"rowwise"`` or
+        ``"colwise_qkv"`` (a fused q|k|v projection, sharded head-aligned)."""
+        ...
+
 
 ADAPTERS: dict[str, BlockAdapter] = {a.name: a for a in (NanoGPTAdapter(), LlamaAdapter(), TorchEncoderAdapter())}
 

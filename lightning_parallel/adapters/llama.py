@@ -21,6 +21,18 @@ class LlamaAdapter:
     def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
         return ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
+    def head_counts(self, block: nn.Module) -> tuple[int, int]:
+        attn = block.self_attn
+        heads = attn.q_proj.out_features // attn.head_dim
+        return heads, attn.k_proj.out_features // attn.head_dim
+
+    def tp_plan(self, block: nn.Module) -> dict[str, str]:
+        plan = {f"self_attn.{n}_proj": "colwise" for n in "qkv"} | {"self_attn.o_proj": "rowwise"}
+        mlp = block.mlp
+        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return plan | {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+        raise ValueError(f"no gate_proj/up_proj/down_proj in the MLP of {type(block).__name__}; pass tp_plan=")
+
     def matches(self, block: nn.Module) -> bool:
         attn = getattr(block, "self_attn", None)
         return all(hasattr(block, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")) and all(

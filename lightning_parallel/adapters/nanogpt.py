@@ -14,6 +14,18 @@ class NanoGPTAdapter:
     def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
         return ("ln_1", "attn.c_attn")
 
+    def head_counts(self, block: nn.Module) -> tuple[int, int]:
+        attn = block.attn
+        heads = getattr(attn, "n_head", None) or attn.num_heads
+        return heads, heads
+
+    def tp_plan(self, block: nn.Module) -> dict[str, str]:
+        mlp_in = "mlp.c_fc" if hasattr(block.mlp, "c_fc") else None
+        plan = {"attn.c_attn": "colwise_qkv", "attn.c_proj": "rowwise"}
+        if mlp_in is None or not hasattr(block.mlp, "c_proj"):
+            raise ValueError(f"no c_fc/c_proj in the MLP of {type(block).__name__}; pass tp_plan=")
+        return {**plan, mlp_in: "colwise", "mlp.c_proj": "rowwise"}
+
     def matches(self, block: nn.Module) -> bool:
         attn = getattr(block, "attn", None)
         return all(hasattr(block, n) for n in ("ln_1", "ln_2", "mlp")) and all(
@@ -23,9 +35,10 @@ class NanoGPTAdapter:
     def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
         attn = block.attn
         B, T, C = x.shape
-        n_head = getattr(attn, "n_head", None) or attn.num_heads
-        q, k, v = attn.c_attn(block.ln_1(x)).split(C, dim=2)
-        heads = lambda t: t.view(B, T, n_head, C // n_head).transpose(1, 2)  # noqa: E731  (B, nh, T, hs)
+        head_dim = C // self.head_counts(block)[0]
+        qkv = attn.c_attn(block.ln_1(x))  # under tensor parallelism: this rank's heads, [q_r | k_r | v_r]
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=2)
+        heads = lambda t: t.view(B, T, -1, head_dim).transpose(1, 2)  # noqa: E731  (B, nh, T, hs)
         return (heads(q), heads(k), heads(v)), x
 
     def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:

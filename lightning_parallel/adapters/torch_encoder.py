@@ -5,6 +5,16 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear``; with a column-sharded DTensor weight (tensor parallelism), the input enters as a
+    replicated DTensor (its gradient is all-reduced) and this rank's output columns come back."""
+    if not isinstance(weight, DTensor):
+        return F.linear(x, weight, bias)
+    x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+    return F.linear(x, weight, bias).to_local()
 
 
 class TorchEncoderAdapter:
@@ -16,6 +26,13 @@ class TorchEncoderAdapter:
     def matches(self, block: nn.Module) -> bool:
         return isinstance(block, nn.TransformerEncoderLayer)
 
+    def head_counts(self, block: nn.Module) -> tuple[int, int]:
+        return block.self_attn.num_heads, block.self_attn.num_heads
+
+    def tp_plan(self, block: nn.Module) -> dict[str, str]:
+        return {"self_attn.in_proj_weight": "colwise_qkv", "self_attn.out_proj": "rowwise", "linear1": "colwise",
+                "linear2": "rowwise"}  # fmt: skip
+
     def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
         if args or any(v is not None and v is not False for v in kwargs.values()):
             raise ValueError("the torch_encoder adapter supports unmasked calls only")
@@ -24,8 +41,8 @@ class TorchEncoderAdapter:
         if not mha.batch_first:
             h = h.transpose(0, 1)  # (B, T, E)
         B, T, E = h.shape
-        q, k, v = F.linear(h, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
-        heads = lambda t: t.view(B, T, mha.num_heads, E // mha.num_heads).transpose(1, 2)  # noqa: E731
+        q, k, v = _linear(h, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)  # this rank's heads under TP
+        heads = lambda t: t.view(B, T, -1, E // mha.num_heads).transpose(1, 2)  # noqa: E731
         return (heads(q), heads(k), heads(v)), x
 
     def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:

@@ -54,16 +54,20 @@ def sum_replicated_(replicated: list[nn.Parameter], group: _collectives.ProcessG
 
 
 def clip_grad_norm_(
-    params: list[nn.Parameter], counted: list[Tensor], max_norm: float, group: _collectives.ProcessGroup
+    params: list[nn.Parameter], counted: list[Tensor], max_norm: float, groups: list[_collectives.ProcessGroup]
 ) -> Tensor:
     """Scale the gradients of ``params`` by ``min(1, max_norm / (total + 1e-6))`` as torch does, where
-    ``total`` is the 2-norm of ``counted`` (this stage's share, each parameter on exactly one stage)
-    over ``group``. Returns ``total``."""
+    ``total`` is the 2-norm of ``counted`` (this rank's share: local tensors, each element of the model
+    counted on exactly one rank) summed over each of ``groups`` in turn. Returns ``total``."""
     norms = [torch.linalg.vector_norm(g, 2) for g in counted]
-    local = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())
-    total = _collectives.sum_of_squares(local.pow(2), group).sqrt().to(local.dtype)
+    squares = (torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())).pow(2)
+    dtype = squares.dtype
+    for group in groups:
+        squares = _collectives.sum_of_squares(squares, group)
+    total = squares.sqrt().to(dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grad.mul_(coef.to(grad.dtype))
     return total

@@ -75,14 +75,20 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             )
         if folds not in (1, 2):
             raise ValueError(f"folds must be 1 or 2, got {folds!r}")
+        if kwargs.get("tensor_parallel_size", 1) != 1:
+            raise ValueError(
+                f"helix with tensor_parallel_size={kwargs['tensor_parallel_size']} is not supported: its param chunks"
+                " cut blocks where tensor parallelism shards them; use strategy='pipeline' for pp x tp"
+            )
         super().__init__(
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
             num_microbatches=num_microbatches,
             mlp_chunks=mlp_chunks,
+            adapter=adapter,
             **kwargs,
         )
-        self._folds, self._adapter_arg, self._helix_recompute = folds, adapter, recompute == "no_attention"
+        self._folds, self._helix_recompute = folds, recompute == "no_attention"
         self._adapter: Optional[BlockAdapter] = None
         self._placed = False
 

@@ -15,8 +15,7 @@ layout and, with gradient accumulation, runs once per optimizer step rather than
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -42,19 +41,27 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel import checkpoint as _checkpoint
 from lightning_parallel import recompute as recompute_lib
-from lightning_parallel.mesh import DP, PP, ParallelDims, Size, check_size
+from lightning_parallel.mesh import DP, PP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
+from lightning_parallel.strategies._logging import MetricStepper
+from lightning_parallel.strategies._state import StateMixin
+from lightning_parallel.strategies._tensor import TensorParallelMixin
+from lightning_parallel.tensor_parallel import local
 
 log = logging.getLogger(__name__)
 
 
-class HybridParallelStrategy(ParallelStrategy):
-    """Data parallelism over a named ``(dp, pp, sp, tp)`` mesh; the base of the other strategies.
+class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
+    """Data and tensor parallelism over a named ``(dp, pp, sp, tp)`` mesh; the base of the other strategies.
 
     Args:
-        data_parallel_size: number of model replicas; ``"auto"`` uses every device.
+        data_parallel_size: number of model replicas; ``"auto"`` uses the devices the other axes leave.
+        tensor_parallel_size: shard every block's projections over this many ranks (Megatron-style, on
+            DTensor; see :mod:`lightning_parallel.tensor_parallel`); ``"auto"`` uses the remaining devices.
+        tp_plan: ``{"name pattern inside a block": "colwise" | "rowwise" | "colwise_qkv"}``; replaces the
+            plan of the block family's adapter (and is required for a family without one).
+        adapter: block-family adapter name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``); default: found.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
         timeout: timeout of the process group's collectives.
         recompute: activation recomputation of the trunk's blocks: ``"none"``, ``"full"``, ``"every_n"``,
@@ -75,6 +82,9 @@ class HybridParallelStrategy(ParallelStrategy):
     def __init__(
         self,
         data_parallel_size: Size = "auto",
+        tensor_parallel_size: Size = 1,
+        tp_plan: Optional[dict[str, str]] = None,
+        adapter: Optional[str] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -98,6 +108,7 @@ class HybridParallelStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         check_size(DP, data_parallel_size)  # fail at construction, not at launch
+        check_size(TP, tensor_parallel_size)
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
         self._recompute = dict(
             policy=recompute,
@@ -107,7 +118,9 @@ class HybridParallelStrategy(ParallelStrategy):
             attention_kernels=tuple(attention_kernels),
         )
         self._trunk_path = trunk
-        self._sizes: dict[str, Size] = {"dp": data_parallel_size}
+        self._sizes: dict[str, Size] = {"dp": data_parallel_size, "tp": tensor_parallel_size}
+        self._tp_plan, self._adapter_arg = tp_plan, adapter
+        self._tp_layout = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -212,13 +225,19 @@ class HybridParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._apply_tensor_parallel(self.lightning_module)
         self._apply_recompute(self.lightning_module)
         self._sync_module_states(self.model)
+        if self.parallel_dims.tp > 1:
+            for metric in MetricStepper(self.lightning_module, False).metrics.values():
+                metric.process_group = self.dp_group  # a tp replica's samples are the replica's samples
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self.parallel_dims.tp > 1:
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
 
     def _apply_recompute(self, module: torch.nn.Module) -> None:
         """Recomputation wrappers (and MLP chunking) around the trunk's blocks, when asked for."""
@@ -229,79 +248,13 @@ class HybridParallelStrategy(ParallelStrategy):
         """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""
         group = self.dp_group
         if group is not None:
-            tensors = [t.data for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta"]
+            tensors = [local(t.data) for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta"]
             _collectives.broadcast_(tensors, group)
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    @override
-    def setup_optimizers(self, trainer: Trainer) -> None:
-        super().setup_optimizers(trainer)
-        lm = self.lightning_module
-        # the full, ordered parameter names of every group, before a pipeline drops other stages' parameters
-        self._group_names = [_checkpoint.group_names(lm, opt) for opt in self.optimizers]
-
-    # ------------------------------------------------------------------------- checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's part of the model under the original names (see :mod:`lightning_parallel.checkpoint`)."""
-        return _checkpoint.local_state_dict(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__} writes torch.distributed.checkpoint directories: no storage_options"
-            )
-        names = getattr(self, "_group_names", [])
-        _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A sharded directory (any layout) or a plain single-file Lightning checkpoint."""
-        path = os.fspath(checkpoint_path)
-        if os.path.isdir(path):
-            return _checkpoint.load_sharded(path)
-        return super().load_checkpoint(path, weights_only=weights_only)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # restore into the placed, precision-converted model: each rank copies only the parameters it holds,
-        # and float64 values are not rounded through the float32 module the user built
-        return True
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        lm = self.lightning_module
-        assert lm is not None
-        state = checkpoint["state_dict"]
-        if strict:
-            _checkpoint.check_state_dict(state, lm.state_dict().keys(), type(lm).__name__)
-        local = _checkpoint.local_state_dict(lm).keys()
-        lm.load_state_dict({k: v for k, v in state.items() if k in local}, strict=False)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Optimizer state by parameter name onto the parameters each rank's optimizer holds; a plain
-        checkpoint's positional state is first named with the full groups of ``configure_optimizers``."""
-        lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]
-        if len(saved_states) != len(self.optimizers):
-            raise _checkpoint.CheckpointError(
-                f"the checkpoint holds {len(saved_states)} optimizer state(s), configure_optimizers returned"
-                f" {len(self.optimizers)}"
-            )
-        for opt, saved, full in zip(self.optimizers, saved_states, self._group_names):
-            if "lp_format" not in checkpoint:
-                saved = _checkpoint.to_by_name(saved, full)
-            opt.load_state_dict(_checkpoint.to_positional(saved, _checkpoint.group_names(lm, opt)))
 
     # ---------------------------------------------------------------- training
     @override
@@ -320,12 +273,12 @@ class HybridParallelStrategy(ParallelStrategy):
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
     def sync_gradients(self, optimizer: Optimizer) -> None:
-        """Average this optimizer's gradients over the dp group."""
+        """Average this optimizer's gradients over the dp group (tensor-parallel shards: their local parts)."""
+        self._materialize_gradients(optimizer)
         group = self.dp_group
         if group is None or self.parallel_dims.dp == 1:
             return
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        _collectives.all_reduce_mean_(grads, group)
+        _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
 
     # -------------------------------------------------------------- collectives
     @override
@@ -360,15 +313,6 @@ class HybridParallelStrategy(ParallelStrategy):
         # gradients are synchronised once per optimizer step, never during backward
         yield None
 
-    # ------------------------------------------------------------------- state
-    def gather_named_parameters(self) -> dict[str, Tensor]:
-        """Every parameter of the full model under its original name, as a detached copy.
-
-        Under data parallelism every rank holds the whole model; model-parallel layouts gather.
-        """
-        assert self.lightning_module is not None
-        return {name: p.detach().clone() for name, p in self.lightning_module.named_parameters()}
-
     @override
     def teardown(self) -> None:
         self._mesh = None
@@ -379,3 +323,12 @@ class HybridParallelStrategy(ParallelStrategy):
         from lightning.pytorch.strategies import StrategyRegistry
 
         StrategyRegistry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
+        if cls is HybridParallelStrategy:
+            StrategyRegistry.register(
+                "tensor_parallel",
+                cls,
+                description="lightning-parallel: tensor parallelism over all devices (Megatron-style, on DTensor)",
+                override=True,
+                data_parallel_size=1,
+                tensor_parallel_size="auto",
+            )

@@ -149,6 +149,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._build_pipeline(lm)
+        self._apply_tensor_parallel(lm)  # this stage's blocks only
         self._apply_recompute(lm)  # after placement: wraps the blocks this stage runs
         self._sync_module_states(self.model)
         for metric in MetricStepper(lm, False).metrics.values():
@@ -278,13 +279,9 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         gradients.sum_replicated_([p for p in self._replicated if id(p) in in_opt], self.pp_group)
         super().sync_gradients(optimizer)
 
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole model: every stage's blocks, and the
-        replicated parameters counted once (on stage 0)."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        replicated = {id(p) for p in self._replicated}
-        counted = [p.grad for p in params if id(p) not in replicated or self.stage == 0]
-        gradients.clip_grad_norm_(params, counted, clip_val, self.pp_group)
+    def _counts_in_norm(self, p: nn.Parameter) -> bool:
+        """Replicated pre/post-trunk parameters are counted on stage 0 only."""
+        return super()._counts_in_norm(p) and (self.stage == 0 or id(p) not in {id(q) for q in self._replicated})
 
     # ----------------------------------------------------------------------------- evaluation
     def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -310,8 +307,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def gather_named_parameters(self) -> dict[str, Tensor]:
         """The full model's parameters by original name, on every rank (a collective over the pp group)."""
         lm = self.lightning_module
-        local = {n: p.detach().cpu().clone() for n, p in lm.named_parameters() if p.device.type != "meta"}
-        parts = _collectives.all_gather_object(local, self.pp_group)
+        parts = _collectives.all_gather_object(self._full_local_parameters(), self.pp_group)
         merged = {k: v for part in parts for k, v in part.items()}
         return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters()}
 

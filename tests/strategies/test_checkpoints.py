@@ -29,19 +29,32 @@ LAYOUTS = {
     "pp4": (lambda: PipelineParallelStrategy(pipeline_parallel_size=4, num_microbatches=4), 4, 1),
     "helix2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, 1),
     "auto": (lambda: "auto", 1, 1),  # Lightning's own single-device strategy and checkpoint format
+    "tp2": (lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, 1),
+    "pp2tp2": (
+        lambda: PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4),
+        4,
+        1,
+    ),
 }
 
 
 class StateAtStart(L.Callback):
-    """The whole model's parameters and optimizer state (by name) once the checkpoint is restored."""
+    """The whole model's parameters and optimizer state (by name, tensor-parallel shards gathered into the
+    original layout) once the checkpoint is restored."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
         gather = getattr(strategy, "gather_named_parameters", None)
+        layout = getattr(strategy, "_tp_layout", None)
+        whole = (lambda n, v: layout.to_full(n, v)) if layout is not None else (lambda n, v: v)  # noqa: E731
         named = {id(p): n for n, p in pl_module.named_parameters()}
-        opt = trainer.optimizers[0]
-        state = {named[id(p)]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                 for p, s in opt.state.items() if id(p) in named}  # fmt: skip
+        state = {
+            named[id(p)]: {
+                k: whole(named[id(p)], v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()
+            }
+            for p, s in trainer.optimizers[0].state.items()
+            if id(p) in named
+        }
         parts = _collectives.all_gather_object(state) if _collectives.world_size() > 1 else [state]
         self.optimizer = {k: v for part in parts for k, v in part.items()}
         if gather is not None:
@@ -272,3 +285,20 @@ def test_other_example_models_resume_under_another_layout(model, tmp_path):
     _, _, params, optimizer = _run("helix2", 3, ckpt_in=ckpt, model=model)
     _assert_close(params, {k: v for k, v in saved["state_dict"].items() if k in params}, "parameters")
     _assert_close(optimizer, saved["optimizer_states"][0]["state"], "optimizer state")
+
+
+# ---------------------------------------------------------------------- tensor-parallel layouts
+
+
+@pytest.mark.parametrize("model", ["gpt", "encoder"])  # fused q|k|v: nanoGPT's c_attn, MHA's in_proj_weight
+def test_tensor_parallel_checkpoint_holds_the_original_layout_and_round_trips(model, tmp_path):
+    tp2, one = str(tmp_path / "tp2.ckpt"), str(tmp_path / "one.ckpt")
+    _run("tp2", 2, ckpt_out=tp2, model=model)
+    _run("one", 2, ckpt_out=one, model=model)
+    saved, reference = load_sharded(tp2), load_sharded(one)
+    _assert_close(saved["state_dict"], reference["state_dict"], "tp=2 checkpoint vs one device")
+    _assert_close(saved["optimizer_states"][0]["state"], reference["optimizer_states"][0]["state"], "optimizer")
+    for source, target in ((tp2, "one"), (one, "tp2")):  # save at tp=2, load at tp=1 and back
+        _, _, params, optimizer = _run(target, 3, ckpt_in=source, model=model)
+        _assert_close(params, {k: v for k, v in reference["state_dict"].items() if k in params}, target)
+        _assert_close(optimizer, reference["optimizer_states"][0]["state"], f"{target}: optimizer state")

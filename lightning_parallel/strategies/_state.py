@@ -1,0 +1,132 @@
+"""Model and optimizer state for every strategy: sharded checkpoints by parameter name
+(:mod:`lightning_parallel.checkpoint`), tensor-parallel shards converted to and from the original
+layout, and the full model gathered by name (tests, export)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Trainer
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_parallel import checkpoint as _checkpoint
+from lightning_parallel.tensor_parallel import TensorParallelLayout
+
+
+class StateMixin:
+    """Mixed into ``HybridParallelStrategy``; ``_tp_layout`` is set when blocks are tensor-parallel."""
+
+    _tp_layout: Optional[TensorParallelLayout]
+    _group_names: list[list[list[str]]]
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)  # type: ignore[misc]
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        # the full, ordered parameter names of every group, before a pipeline drops other stages' parameters
+        self._group_names = [_checkpoint.group_names(lm, opt) for opt in self.optimizers]  # type: ignore[attr-defined]
+
+    def _on_disk(self, name: str, value: Any) -> Any:
+        """A tensor as the checkpoint holds it: DTensor shards stay shards (DCP writes each once), except a
+        permuted fused projection, which is gathered back to its original order."""
+        layout = self._tp_layout
+        if layout is not None and isinstance(value, DTensor) and name in layout.permuted:
+            return layout.to_full(name, value)
+        return value
+
+    def _in_memory(self, name: str, value: Any, like: Tensor) -> Any:
+        """A tensor read from a checkpoint (whole, original order) placed like the parameter ``like``."""
+        if isinstance(like, DTensor) and isinstance(value, Tensor) and value.shape == like.shape:
+            assert self._tp_layout is not None
+            return self._tp_layout.shard(name, value, like)
+        return value
+
+    # ------------------------------------------------------------------------------- save
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model under the original names."""
+        local = _checkpoint.local_state_dict(self.lightning_module)  # type: ignore[attr-defined]
+        return {k: self._on_disk(k, v) for k, v in local.items()}
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)  # type: ignore[attr-defined]
+        state["state"] = {n: {k: self._on_disk(n, v) for k, v in s.items()} for n, s in state["state"].items()}
+        return state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} saves DCP directories; storage_options are not supported")
+        names = getattr(self, "_group_names", [])
+        _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------------------- load
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # restore into the placed, sharded, precision-converted model: each rank copies only what it holds,
+        # and float64 values are not rounded through the float32 module the user built
+        return True
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory (any layout) or a plain single-file Lightning checkpoint."""
+        path = os.fspath(checkpoint_path)
+        if os.path.isdir(path):
+            return _checkpoint.load_sharded(path)
+        return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        state = checkpoint["state_dict"]
+        if strict:
+            _checkpoint.check_state_dict(state, lm.state_dict().keys(), type(lm).__name__)
+        mine = lm.state_dict(keep_vars=True)
+        plain = {}
+        for name, value in state.items():
+            target = mine.get(name)
+            if target is None or target.is_meta:
+                continue
+            if isinstance(target, DTensor):
+                with torch.no_grad():
+                    target.to_local().copy_(self._in_memory(name, value, target).to_local())
+            else:
+                plain[name] = value
+        lm.load_state_dict(plain, strict=False)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Optimizer state by parameter name onto the parameters each rank's optimizer holds; a plain
+        checkpoint's positional state is first named with the full groups of ``configure_optimizers``."""
+        lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]  # type: ignore[attr-defined]
+        optimizers = self.optimizers  # type: ignore[attr-defined]
+        if len(saved_states) != len(optimizers):
+            raise _checkpoint.CheckpointError(
+                f"the checkpoint holds {len(saved_states)} optimizer state(s), configure_optimizers returned"
+                f" {len(optimizers)}"
+            )
+        params = dict(lm.named_parameters())
+        for opt, saved, full in zip(optimizers, saved_states, self._group_names):
+            if "lp_format" not in checkpoint:
+                saved = _checkpoint.to_by_name(saved, full)
+            state = {
+                n: {k: self._in_memory(n, v, params[n]) for k, v in s.items()} if n in params else s
+                for n, s in saved["state"].items()
+            }
+            opt.load_state_dict(_checkpoint.to_positional({**saved, "state": state}, _checkpoint.group_names(lm, opt)))
+
+    # ------------------------------------------------------------------------------ gather
+    def _full_local_parameters(self) -> dict[str, Tensor]:
+        """This rank's materialised parameters, whole (tensor-parallel shards gathered: a collective)."""
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        layout = self._tp_layout
+        out = {}
+        for name, p in lm.named_parameters():
+            if p.is_meta:
+                continue
+            value = layout.to_full(name, p.detach()) if layout is not None else p.detach()
+            out[name] = value.cpu().clone()
+        return out
+
+    def gather_named_parameters(self) -> dict[str, Tensor]:
+        """Every parameter of the full model under its original name, as a detached copy."""
+        return self._full_local_parameters()

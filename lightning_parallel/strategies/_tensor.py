@@ -1,0 +1,75 @@
+"""Tensor parallelism inside the strategies: sharding each rank's local blocks (after pipeline placement,
+before recomputation), gradients of sharded parameters, and the global gradient norm (review H3)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_parallel.adapters import find_adapter
+from lightning_parallel.mesh import TP
+from lightning_parallel.pipeline import gradients
+from lightning_parallel.pipeline.trunk import discover_trunk
+from lightning_parallel.tensor_parallel import TensorParallelLayout, is_sharded, local, parallelize_blocks
+
+
+class TensorParallelMixin:
+    """Mixed into ``HybridParallelStrategy``."""
+
+    _tp_layout: Optional[TensorParallelLayout] = None
+    _tp_plan: Optional[dict[str, str]]
+    _adapter_arg: Optional[str]
+    _trunk_path: Optional[str]
+
+    @property
+    def tp_group(self) -> Optional[Any]:
+        mesh = self._mesh  # type: ignore[attr-defined]
+        return mesh.get_group(TP) if mesh is not None else None
+
+    def _apply_tensor_parallel(self, module: nn.Module) -> None:
+        """Shard the trunk's materialised blocks over the tp axis (a no-op at tensor_parallel_size=1)."""
+        if self.parallel_dims.tp == 1 or self._tp_layout is not None:  # type: ignore[attr-defined]
+            return
+        trunk = discover_trunk(module, self._trunk_path)
+        try:
+            adapter = find_adapter(trunk.blocks[0], self._adapter_arg)
+        except ValueError:
+            if self._adapter_arg is not None:
+                raise
+            adapter = None  # an unknown family: only a user's tp_plan (and its own forward) can shard it
+        blocks = [
+            (f"{trunk.path}.{name}.", block)
+            for name, block in trunk.container.named_children()
+            if not any(p.is_meta for p in block.parameters())
+        ]
+        self._tp_layout = parallelize_blocks(blocks, adapter, self.device_mesh[TP], self._tp_plan)  # type: ignore[attr-defined]
+
+    def _materialize_gradients(self, optimizer: Optimizer) -> None:
+        """Bring each DTensor gradient to its parameter's placement (a partial sum becomes the sum)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                    p.grad = g.redistribute(placements=p.placements)
+
+    def _counts_in_norm(self, p: nn.Parameter) -> bool:
+        """Whether this rank counts ``p``'s gradient in the global norm: a tensor-parallel shard on every
+        tp rank, a tp-replicated parameter on tp rank 0 only."""
+        return is_sharded(p) or self.coordinate[TP] == 0  # type: ignore[attr-defined]
+
+    def _norm_groups(self) -> list[Any]:
+        dims = self.parallel_dims  # type: ignore[attr-defined]
+        return [g for g, n in ((self.tp_group, dims.tp), (getattr(self, "pp_group", None), dims.pp)) if n > 1]
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, every parameter counted exactly once
+        across the tensor- and pipeline-parallel ranks of a replica."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        counted = [local(p.grad) for p in params if self._counts_in_norm(p)]
+        gradients.clip_grad_norm_(params, counted, clip_val, self._norm_groups())
+
+    def _local_gradients(self, optimizer: Optimizer) -> list[Tensor]:
+        return [local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

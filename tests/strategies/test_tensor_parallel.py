@@ -1,0 +1,168 @@
+"""Tensor parallelism (issue 7): parity with one device for the example models and Hugging Face models,
+composition with the pipeline and data parallelism, sharded bytes, checkpoints, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy
+from tests.helpers.distributed import RankFailed, run_distributed
+from tests.helpers.parity import assert_parity, build
+
+
+def _tp(**kwargs):
+    return lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+def test_tp2_matches_one_device_with_clipping(model):
+    assert_parity(model, _tp(), 2, data_parallel_size=1, gradient_clip_val=0.05)
+
+
+def _block_bytes(rank, world_size, model, tp, pp=1):
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.pipeline.trunk import discover_trunk
+
+    module, data = build(model, 8, "sgd")
+    full = {n: p.numel() * p.element_size() for n, p in module.named_parameters()}
+    strategy = (
+        PipelineParallelStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2)
+        if pp > 1
+        else HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=tp)
+    )
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    trunk = discover_trunk(module)
+    local, whole, sharded, norms = 0, 0, 0, 0
+    for i, block in enumerate(trunk.blocks):
+        for n, p in block.named_parameters():
+            if p.is_meta:
+                continue
+            t = p.to_local() if isinstance(p.data, DTensor) else p
+            local += t.numel() * t.element_size()
+            whole += full[f"{trunk.path}.{i}.{n}"]
+            sharded += isinstance(p.data, DTensor)
+            norms += 0 if isinstance(p.data, DTensor) else t.numel() * t.element_size()
+    return local, whole, sharded, norms
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "encoder", "hf-gpt2"])
+def test_block_parameter_bytes_shrink_to_one_over_tp(model):
+    for local, whole, sharded, unsharded in run_distributed(_block_bytes, 2, model, 2, init_process_group=False):
+        assert sharded > 0
+        # every projection is halved; what stays whole is the norms (and row-parallel biases)
+        assert local == pytest.approx(whole / 2 + unsharded / 2, rel=0.10), (local, whole, unsharded)
+        assert unsharded < 0.1 * whole
+
+
+@pytest.mark.parametrize("model", ["hf-llama", "hf-gpt2"])
+def test_hugging_face_models_train_under_the_registered_name(model):
+    pytest.importorskip("transformers")
+    assert_parity(model, lambda: "tensor_parallel", 2, data_parallel_size=1, gradient_clip_val=0.05)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+def test_pp2_x_tp2_on_four_ranks_with_clipping(model):
+    def make():
+        return PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)
+
+    assert_parity(model, make, 4, data_parallel_size=1, gradient_clip_val=0.05)
+
+
+def test_dp2_x_tp2_on_four_ranks():
+    make = lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)  # noqa: E731
+    assert_parity("llama", make, 4, data_parallel_size=2, gradient_clip_val=0.05)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "no_attention"])
+def test_recomputation_wraps_the_tensor_parallel_blocks(policy):
+    assert_parity("gpt", _tp(recompute=policy), 2, data_parallel_size=1)
+
+
+def test_a_user_plan_replaces_the_adapters():
+    mlp_only = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+    assert_parity("llama", _tp(tp_plan=mlp_only), 2, data_parallel_size=1)
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+class _Broken:
+    """The llama adapter without the attention residual: verification must refuse it."""
+
+    def __init__(self):
+        from lightning_parallel.adapters.llama import LlamaAdapter
+
+        self._inner = LlamaAdapter()
+        self.name = "broken"
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def post(self, block, out, residual, args, kwargs):
+        return self._inner.post(block, out, torch.zeros_like(residual), args, kwargs)
+
+
+def _fit(rank, world_size, model_fn, strategy_kwargs):
+    import lightning as L
+
+    from lightning_parallel.adapters import ADAPTERS
+
+    ADAPTERS["broken"] = _Broken()
+    module, data = model_fn()
+    strategy = HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, **strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+
+
+def _gpt(**kwargs):
+    def make():
+        from examples.data import CharDataModule
+        from examples.models import GPT
+
+        data = CharDataModule(block_size=16, batch_size=4, shuffle=False)
+        return GPT(vocab_size=data.vocab_size, block_size=16, **kwargs), data
+
+    return make
+
+
+def _llama(**kwargs):
+    def make():
+        from examples.data import CharDataModule
+        from examples.models import Llama
+
+        data = CharDataModule(block_size=16, batch_size=4, shuffle=False)
+        return Llama(vocab_size=data.vocab_size, block_size=16, **kwargs), data
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "model_fn,kwargs,message",
+    [
+        (_gpt(n_layer=2, n_head=3, n_embd=24), {}, r"tensor_parallel_size=2 must divide the number of attention heads \(3\) of Block"),
+        (_llama(n_layer=2, n_head=4, n_kv_head=1, dim=32, mlp_hidden=64), {}, r"must divide the number of key/value heads \(1\) of DecoderLayer"),
+        (_llama(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=63), {}, r"must divide the output width \(63\) of mlp.gate_proj in DecoderLayer"),
+        (lambda: build("hf", 4, "sgd"), {}, r"does not know the anatomy of HFStyleLayer: .* pass tp_plan="),
+        (_gpt(n_layer=2, n_head=2, n_embd=16), {"tp_plan": {"attn.nothing*": "colwise"}}, r"tp_plan pattern 'attn.nothing\*' matches nothing in Block"),
+        (_gpt(n_layer=2, n_head=2, n_embd=16), {"tp_plan": {"attn.c_attn": "diagonal"}}, r"tp_plan\['attn.c_attn'\] = 'diagonal'; choose one of"),
+        (_llama(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64), {"adapter": "broken"}, r"adapter 'broken' does not reproduce DecoderLayer"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_named(model_fn, kwargs, message):
+    with pytest.raises(RankFailed, match=message):
+        run_distributed(_fit, 2, model_fn, kwargs, init_process_group=False, timeout=60)
+
+
+def test_helix_refuses_tensor_parallelism():
+    from lightning_parallel import HelixParallelStrategy
+
+    with pytest.raises(ValueError, match="helix with tensor_parallel_size=2 is not supported"):
+        HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
