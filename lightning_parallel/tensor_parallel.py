@@ -18,6 +18,13 @@ Per block of the trunk, with the block family's adapter (``lightning_parallel.ad
   global head counts, so it runs on shards (nanoGPT's own forward derives shapes from the input width
   and cannot, review [E11]). The adapter is verified against the block's own forward on the first real
   call (an unsharded float64 copy, outputs and every gradient; fail closed).
+- **Sequence parallelism** (``sequence_parallel=True``; Korthikanti et al., arXiv 2205.05198): between
+  the tensor-parallel regions (norms, residual adds, dropout) each rank holds 1/tp of the sequence. The
+  column-parallel projections take a ``Shard(1)`` input (all-gather of the sequence), the row-parallel
+  ones return ``Shard(1)`` (reduce-scatter instead of all-reduce). The block takes its slice of the
+  replicated hidden state on entry and all-gathers its output on exit, so the trunk's interface and
+  the user's code are unchanged. The norms' parameters then see 1/tp of the tokens on each rank: their
+  gradients are summed over the tp group (``TensorParallelLayout.partial``).
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ class TensorParallelLayout:
 
     mesh: DeviceMesh
     permuted: dict[str, tuple[int, Tensor]] = field(default_factory=dict)  # name -> (dim, permutation)
+    partial: list[nn.Parameter] = field(default_factory=list)  # replicated, but see a sequence shard
 
     def to_full(self, name: str, value: Tensor) -> Tensor:
         """The whole tensor in the original (unpermuted) order; a collective for a DTensor."""
@@ -162,28 +170,36 @@ def parallelize_blocks(
     adapter: BlockAdapter | None,
     mesh: DeviceMesh,
     user_plan: dict[str, str] | None = None,
+    sequence_parallel: bool = False,
 ) -> TensorParallelLayout:
     """Shard each ``(full name prefix, block)`` over the 1-D ``mesh``; returns the layout for checkpoints."""
     tp = mesh.size()
     layout = TensorParallelLayout(mesh)
+    if sequence_parallel and adapter is None:
+        raise ValueError("tp_sequence_parallel=True needs a block-family adapter (the block's forward is replaced)")
     for i, (prefix, block) in enumerate(blocks):
         plan = resolve_plan(block, adapter, user_plan)
         check_divisible(block, adapter, plan, tp)
-        if adapter is not None:
-            _TensorParallelForward.install(block, adapter, verify=i == 0)  # one block verifies the family
+        if adapter is not None:  # one block verifies the family
+            _TensorParallelForward.install(block, adapter, verify=i == 0, sequence_parallel=sequence_parallel)
         for name, style in plan.items():
             target = _target(block, name)
             if style == "colwise_qkv":
                 for pname, dim, perm in _permute_fused(block, name, target, tp):
                     layout.permuted[f"{prefix}{pname}"] = (dim, perm)
+            rowwise = style == "rowwise"
+            layouts = {"output_layouts": Shard(1)} if rowwise else {"input_layouts": Shard(1)}
+            layouts = layouts if sequence_parallel else {}
             if isinstance(target, nn.Parameter):
-                _distribute_parameters(block, name, mesh)
+                _distribute_parameters(block, name, mesh, Shard(1) if sequence_parallel else None)
             elif _is_conv1d(target):
-                parallelize_module(target, mesh, _Conv1DRowwise() if style == "rowwise" else _Conv1DColwise())
+                parallelize_module(target, mesh, (_Conv1DRowwise if rowwise else _Conv1DColwise)(**layouts))
             else:
-                parallel = RowwiseParallel() if style == "rowwise" else ColwiseParallel()
+                parallel = (RowwiseParallel if rowwise else ColwiseParallel)(**layouts)
                 parallel.src_data_rank = None  # every rank holds the same full weights: slice locally
                 parallelize_module(target, mesh, parallel)
+        if sequence_parallel:
+            layout.partial += [p for p in block.parameters() if not isinstance(p.data, DTensor)]
     return layout
 
 
@@ -209,7 +225,7 @@ def _permute_fused(block: nn.Module, name: str, target: Any, tp: int) -> list[tu
     return [(pname, dim, perm) for pname, _, dim in pairs]
 
 
-def _distribute_parameters(block: nn.Module, name: str, mesh: DeviceMesh) -> None:
+def _distribute_parameters(block: nn.Module, name: str, mesh: DeviceMesh, input_layout: Any) -> None:
     owner, _, attr = name.rpartition(".")
     parent = block.get_submodule(owner) if owner else block
     names = [attr] + ([attr.replace("weight", "bias")] if "weight" in attr else [])
@@ -217,24 +233,44 @@ def _distribute_parameters(block: nn.Module, name: str, mesh: DeviceMesh) -> Non
         param = getattr(parent, pname, None)
         if isinstance(param, nn.Parameter) and not isinstance(param.data, DTensor):
             dist = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
-            setattr(parent, pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            new._lp_input_layout = input_layout  # read by the adapter that applies it (a Shard(1) input: SP)
+            setattr(parent, pname, new)
 
 
 class _TensorParallelForward:
     """The block's forward under tensor parallelism: the adapter's split forward. On the first call with
     gradients it verifies the adapter on the real input against an unsharded copy of the block."""
 
-    def __init__(self, block: nn.Module, adapter: BlockAdapter, reference: nn.Module | None) -> None:
-        self.block, self.adapter, self.reference = block, adapter, reference
+    def __init__(
+        self, block: nn.Module, adapter: BlockAdapter, reference: nn.Module | None, sequence_parallel: bool
+    ) -> None:
+        self.block, self.adapter, self.reference, self.sequence_parallel = block, adapter, reference, sequence_parallel
 
     @classmethod
-    def install(cls, block: nn.Module, adapter: BlockAdapter, verify: bool) -> None:
-        block.forward = cls(block, adapter, copy.deepcopy(block) if verify else None)
+    def install(cls, block: nn.Module, adapter: BlockAdapter, verify: bool, sequence_parallel: bool) -> None:
+        block.forward = cls(block, adapter, copy.deepcopy(block) if verify else None, sequence_parallel)
         if verify:  # a pre-hook runs outside any recomputation, and only once per call
             block.register_forward_pre_hook(_verify_once, with_kwargs=True)
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        return split_forward(self.adapter, self.block, x, args, kwargs)
+        if not self.sequence_parallel:
+            return split_forward(self.adapter, self.block, x, args, kwargs)
+        mesh = _mesh_of(self.block)
+        tp, T = mesh.size(), x.shape[1]
+        if T % tp:
+            raise ValueError(
+                f"tp_sequence_parallel=True needs the sequence length ({T}) to be divisible by"
+                f" tensor_parallel_size ({tp}); pad the batch or turn tp_sequence_parallel off"
+            )
+        mine = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+        out = split_forward(self.adapter, self.block, mine.to_local(), args, kwargs)
+        whole = DTensor.from_local(out, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+        return whole.to_local()
+
+
+def _mesh_of(block: nn.Module) -> DeviceMesh:
+    return next(p for p in block.parameters() if isinstance(p.data, DTensor)).device_mesh
 
 
 def _verify_once(block: nn.Module, args: tuple, kwargs: dict) -> None:

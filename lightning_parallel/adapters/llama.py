@@ -44,11 +44,9 @@ class LlamaAdapter:
         cos, sin = (args[0], args[1]) if args else kwargs["position_embeddings"]
         if cos.dim() == 3:  # Hugging Face: (B, T, head_dim) -> broadcast over heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        B, T, _ = x.shape
         h = block.input_layernorm(x)
-        q = attn.q_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(B, T, -1, attn.head_dim).transpose(1, 2)
+        heads = lambda t: t.view(*t.shape[:2], -1, attn.head_dim).transpose(1, 2)  # noqa: E731  (B, nh, T, hd)
+        q, k, v = heads(attn.q_proj(h)), heads(attn.k_proj(h)), heads(attn.v_proj(h))
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         return (q, k, v), x
 

@@ -34,10 +34,11 @@ class NanoGPTAdapter:
 
     def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
         attn = block.attn
-        B, T, C = x.shape
-        head_dim = C // self.head_counts(block)[0]
-        qkv = attn.c_attn(block.ln_1(x))  # under tensor parallelism: this rank's heads, [q_r | k_r | v_r]
-        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=2)
+        head_dim = x.shape[-1] // self.head_counts(block)[0]
+        # under tensor parallelism: this rank's heads [q_r | k_r | v_r], over the whole sequence
+        qkv = attn.c_attn(block.ln_1(x))
+        B, T, width = qkv.shape
+        q, k, v = qkv.split(width // 3, dim=2)
         heads = lambda t: t.view(B, T, -1, head_dim).transpose(1, 2)  # noqa: E731  (B, nh, T, hs)
         return (heads(q), heads(k), heads(v)), x
 

@@ -13,7 +13,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     replicated DTensor (its gradient is all-reduced) and this rank's output columns come back."""
     if not isinstance(weight, DTensor):
         return F.linear(x, weight, bias)
-    x = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
+    layout = getattr(weight, "_lp_input_layout", None) or Replicate()  # Shard(1) under sequence parallelism
+    x = DTensor.from_local(x, weight.device_mesh, [layout], run_check=False).redistribute(placements=[Replicate()])
     return F.linear(x, weight, bias).to_local()
 
 
@@ -40,9 +41,11 @@ class TorchEncoderAdapter:
         h = block.norm1(x) if block.norm_first else x
         if not mha.batch_first:
             h = h.transpose(0, 1)  # (B, T, E)
-        B, T, E = h.shape
-        q, k, v = _linear(h, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)  # this rank's heads under TP
-        heads = lambda t: t.view(B, T, -1, E // mha.num_heads).transpose(1, 2)  # noqa: E731
+        head_dim = h.shape[-1] // mha.num_heads
+        qkv = _linear(h, mha.in_proj_weight, mha.in_proj_bias)  # under TP: this rank's heads, whole sequence
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
+        heads = lambda t: t.view(B, T, -1, head_dim).transpose(1, 2)  # noqa: E731
         return (heads(q), heads(k), heads(v)), x
 
     def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:

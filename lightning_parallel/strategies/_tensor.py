@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_parallel import _collectives
 from lightning_parallel.adapters import find_adapter
 from lightning_parallel.mesh import TP
 from lightning_parallel.pipeline import gradients
@@ -21,6 +22,7 @@ class TensorParallelMixin:
 
     _tp_layout: Optional[TensorParallelLayout] = None
     _tp_plan: Optional[dict[str, str]]
+    _tp_sequence_parallel: bool
     _adapter_arg: Optional[str]
     _trunk_path: Optional[str]
 
@@ -45,15 +47,22 @@ class TensorParallelMixin:
             for name, block in trunk.container.named_children()
             if not any(p.is_meta for p in block.parameters())
         ]
-        self._tp_layout = parallelize_blocks(blocks, adapter, self.device_mesh[TP], self._tp_plan)  # type: ignore[attr-defined]
+        mesh = self.device_mesh[TP]  # type: ignore[attr-defined]
+        self._tp_layout = parallelize_blocks(blocks, adapter, mesh, self._tp_plan, self._tp_sequence_parallel)
 
     def _materialize_gradients(self, optimizer: Optimizer) -> None:
-        """Bring each DTensor gradient to its parameter's placement (a partial sum becomes the sum)."""
+        """Bring each DTensor gradient to its parameter's placement (a partial sum becomes the sum); under
+        sequence parallelism, sum the gradients of the replicated block parameters over the tp group."""
         for group in optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
                 if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
                     p.grad = g.redistribute(placements=p.placements)
+        layout = self._tp_layout
+        if layout is not None and layout.partial:
+            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            grads = [p.grad for p in layout.partial if id(p) in mine and p.grad is not None]
+            _collectives.all_reduce_sum_(grads, self.tp_group)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p``'s gradient in the global norm: a tensor-parallel shard on every

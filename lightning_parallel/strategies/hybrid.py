@@ -61,6 +61,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
             DTensor; see :mod:`lightning_parallel.tensor_parallel`); ``"auto"`` uses the remaining devices.
         tp_plan: ``{"name pattern inside a block": "colwise" | "rowwise" | "colwise_qkv"}``; replaces the
             plan of the block family's adapter (and is required for a family without one).
+        tp_sequence_parallel: Megatron-style sequence parallelism between the tensor-parallel regions: norms,
+            residuals and dropout on 1/tp of the sequence per rank (the sequence length must divide by tp).
         adapter: block-family adapter name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``); default: found.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
         timeout: timeout of the process group's collectives.
@@ -84,6 +86,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
         data_parallel_size: Size = "auto",
         tensor_parallel_size: Size = 1,
         tp_plan: Optional[dict[str, str]] = None,
+        tp_sequence_parallel: bool = False,
         adapter: Optional[str] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -119,7 +122,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
         )
         self._trunk_path = trunk
         self._sizes: dict[str, Size] = {"dp": data_parallel_size, "tp": tensor_parallel_size}
-        self._tp_plan, self._adapter_arg = tp_plan, adapter
+        self._tp_plan, self._adapter_arg, self._tp_sequence_parallel = tp_plan, adapter, tp_sequence_parallel
         self._tp_layout = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout

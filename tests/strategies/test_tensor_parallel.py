@@ -60,6 +60,11 @@ def test_block_parameter_bytes_shrink_to_one_over_tp(model):
         assert unsharded < 0.1 * whole
 
 
+@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+def test_tp2_with_sequence_parallelism_matches_one_device(model):
+    assert_parity(model, _tp(tp_sequence_parallel=True), 2, data_parallel_size=1, gradient_clip_val=0.05)
+
+
 @pytest.mark.parametrize("model", ["hf-llama", "hf-gpt2"])
 def test_hugging_face_models_train_under_the_registered_name(model):
     pytest.importorskip("transformers")
@@ -72,6 +77,15 @@ def test_pp2_x_tp2_on_four_ranks_with_clipping(model):
         return PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)
 
     assert_parity(model, make, 4, data_parallel_size=1, gradient_clip_val=0.05)
+
+
+def test_pp2_x_tp2_with_sequence_parallelism():
+    def make():
+        return PipelineParallelStrategy(
+            pipeline_parallel_size=2, tensor_parallel_size=2, tp_sequence_parallel=True, num_microbatches=4
+        )
+
+    assert_parity("gpt", make, 4, data_parallel_size=1, gradient_clip_val=0.05)
 
 
 def test_dp2_x_tp2_on_four_ranks():
@@ -166,3 +180,30 @@ def test_helix_refuses_tensor_parallelism():
 
     with pytest.raises(ValueError, match="helix with tensor_parallel_size=2 is not supported"):
         HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+
+
+def _norm_input_lengths(rank, world_size, model):
+    import lightning as L
+
+    from lightning_parallel.pipeline.trunk import discover_trunk
+
+    module, data = build(model, 8, "sgd")
+    block = discover_trunk(module).blocks[0]
+    norm = next(m for n, m in block.named_modules() if "norm" in type(m).__name__.lower())
+    seen = []
+    norm.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    strategy = HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, tp_sequence_parallel=True)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return seen
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_sequence_parallel_norms_see_half_the_sequence(model):
+    from tests.helpers.parity import SEQ_LEN
+
+    for seen in run_distributed(_norm_input_lengths, 2, model, init_process_group=False):
+        # two whole-sequence calls verify the adapter on unsharded copies, then every call sees its half
+        assert seen[:2] == [SEQ_LEN, SEQ_LEN] and seen[2:] and set(seen[2:]) == {SEQ_LEN // 2}, seen
