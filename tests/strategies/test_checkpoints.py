@@ -69,8 +69,16 @@ def _train(
     """Train ``steps`` steps (epochs of ``batches``); save to ``ckpt_out`` after fit, or with ``epoch_end``
     through ``ModelCheckpoint`` at the end of the last epoch (Lightning then marks the epoch complete)."""
     make, devices, dp = LAYOUTS[layout]
-    module, data = build(model, 8 // dp, "adamw")
+    module, data = build(model.removesuffix("+sched"), 8 // dp, "adamw")
     module.double()  # Lightning restores "auto" checkpoints into the module as built: build it in float64
+    if model.endswith("+sched"):  # an LR scheduler whose state must survive the checkpoint
+        configure = module.configure_optimizers
+
+        def with_scheduler():
+            opt = configure()
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+        module.configure_optimizers = with_scheduler
     recorder, at_start = Recorder(), StateAtStart()
     callbacks = [recorder, at_start] + ([_OneReplicaSampler()] if layout == "auto" else [])
     if epoch_end:
@@ -112,13 +120,16 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
 # -------------------------------------------------------------------------------- exact resume
 
 
-@pytest.mark.parametrize("layout", ["pp2", "helix2", "dp2"])
-def test_resume_at_epoch_boundary_continues_the_straight_run_exactly(layout, tmp_path):
-    straight, final, _, _ = _run(layout, 8, ckpt_out=str(tmp_path / "straight.ckpt"), epoch_end=True)
+@pytest.mark.parametrize("layout,model", [("pp2", "gpt"), ("helix2", "gpt"), ("dp2", "gpt"), ("pp2", "gpt+sched")])
+def test_resume_at_epoch_boundary_continues_the_straight_run_exactly(layout, model, tmp_path):
+    kw = dict(model=model, epoch_end=True)
+    straight, final, _, _ = _run(layout, 8, ckpt_out=str(tmp_path / "straight.ckpt"), **kw)
     ckpt = str(tmp_path / "epoch.ckpt")
-    first, _, _, _ = _run(layout, 4, ckpt_out=ckpt, epoch_end=True)  # one epoch of 4 batches
+    first, _, _, _ = _run(layout, 4, ckpt_out=ckpt, **kw)  # one epoch of 4 batches
     assert os.path.isdir(ckpt) and not os.path.exists(ckpt + ".partial")
-    second, resumed_final, _, _ = _run(layout, 8, ckpt_in=ckpt, ckpt_out=str(tmp_path / "resumed.ckpt"), epoch_end=True)
+    if model.endswith("+sched"):
+        assert load_sharded(ckpt)["lr_schedulers"][0]["last_epoch"] == 1  # StepLR steps once per epoch
+    second, resumed_final, _, _ = _run(layout, 8, ckpt_in=ckpt, ckpt_out=str(tmp_path / "resumed.ckpt"), **kw)
     assert len(first) == 4 and len(second) == 4
     torch.testing.assert_close(torch.tensor(first + second), torch.tensor(straight), **TOL)
     _assert_close(resumed_final, final, "parameters after step 8")
