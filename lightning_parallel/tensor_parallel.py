@@ -152,8 +152,12 @@ def check_divisible(block: nn.Module, adapter: BlockAdapter | None, plan: dict[s
         conv = not isinstance(target, Tensor) and _is_conv1d(target)
         out_dim, in_dim = (1, 0) if conv else (0, 1)
         dim, what = (in_dim, "input width") if style == "rowwise" else (out_dim, "output width")
-        if w.shape[dim] % tp:
-            raise ValueError(f"{where} must divide the {what} ({w.shape[dim]}) of {name} in {type(block).__name__}")
+        parts = 3 * tp if style == "colwise_qkv" else tp  # q, k and v each split into tp whole parts
+        if w.shape[dim] % parts:
+            raise ValueError(
+                f"{where} must divide the {what} ({w.shape[dim]}{' = 3 x q|k|v' if parts > tp else ''}) of {name}"
+                f" in {type(block).__name__}"
+            )
 
 
 def _target(block: nn.Module, name: str) -> nn.Module | nn.Parameter:

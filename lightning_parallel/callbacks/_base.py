@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_parallel import _collectives
 from lightning_parallel.mesh import AXES, PP
@@ -48,9 +50,17 @@ class ProfilerCallback(Callback):
         self.step_seconds = 0.0
         self._step_start = 0.0
 
+    plot: bool = False
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir is a collective: all ranks
+        if self.plot and importlib.util.find_spec("matplotlib") is None:
+            rank_zero_warn(
+                f"{type(self).__name__}: matplotlib is not installed, so no PNG is written (the metrics and the"
+                " trace still are); pip install 'lightning-parallel[plots]' or pass plot=False"
+            )
+            self.plot = False
 
     @property
     def self_time_fraction(self) -> float:

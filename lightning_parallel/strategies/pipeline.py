@@ -281,7 +281,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         """Replicated pre/post-trunk parameters are counted on stage 0 only."""
-        return super()._counts_in_norm(p) and (self.stage == 0 or id(p) not in {id(q) for q in self._replicated})
+        return super()._counts_in_norm(p) and (self.stage == 0 or all(p is not q for q in self._replicated))
 
     # ----------------------------------------------------------------------------- evaluation
     def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:

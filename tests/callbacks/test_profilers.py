@@ -309,3 +309,30 @@ def test_memory_profiler_ratio_equals_the_benchmark_tables(name):
     with tempfile.TemporaryDirectory() as root:
         bench_ratio, profiler_ratio = run_distributed(_ratio_both_ways, 2, name, root, timeout=150)[0]
     assert profiler_ratio == pytest.approx(bench_ratio, rel=0.05), (bench_ratio, profiler_ratio)
+
+
+def _every_step(rank, world_size, root):
+    torch.manual_seed(0)
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, schedule="gpipe")
+    callbacks = [BubbleProfiler(every_n_steps=2, plot=False), MemoryProfiler(every_n_steps=2)]
+    return _fit(strategy, 2, root, SleepNet(seconds=0.0), _loader(2, 4), 4, callbacks)
+
+
+def test_every_n_steps_writes_files_during_fit():
+    with tempfile.TemporaryDirectory() as root:
+        run_distributed(_every_step, 2, root, init_process_group=False, timeout=120)
+        names = {p.name for p in Path(root).iterdir()}
+    want = {"bubble_trace_step2.json", "bubble_trace_step4.json", "memory_step2.png", "memory_step4.png"}
+    assert want | {"bubble_trace.json", "memory.png"} <= names, sorted(names)
+    assert not any(n.endswith(".png") and n.startswith("bubble") for n in names)  # plot=False
+
+
+@pytest.mark.gpu
+def test_memory_profiler_reports_the_cuda_allocator_peak():
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, default_root_dir=root,
+                            callbacks=[MemoryProfiler(plot=False)])  # fmt: skip
+        trainer.fit(SleepNet(seconds=0.0), _loader(4, 2))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["memory/cuda_peak_mib/stage_0"] > 0 and "memory/peak_live_mib/stage_0" not in metrics
