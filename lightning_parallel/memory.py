@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -42,7 +42,8 @@ class LiveTensorTracker(TorchDispatchMode):
             return out  # a view or in-place result: no new storage
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
-                self._track(t.untyped_storage())
+                for storage in _storages(t):
+                    self._track(storage)
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
@@ -65,6 +66,15 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak, self.largest = self.current, 0
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t``: a wrapper subclass (DTensor) holds its data in inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+    return [t.untyped_storage()]
 
 
 def kept_for_backward(forward: Callable[[], Any]) -> tuple[int, Any]:

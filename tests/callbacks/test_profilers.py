@@ -113,10 +113,10 @@ class SleepBlock(nn.Module):
     def __init__(self, seconds: float) -> None:
         super().__init__()
         self.seconds = seconds
-        self.lin = nn.Linear(8, 8)
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x + 0.1 * self.lin(x), self.seconds)
+        return _Sleep.apply(x + 0.1 * self.down(self.up(x)), self.seconds)
 
 
 class SleepNet(L.LightningModule):
@@ -191,12 +191,16 @@ def _profiled(rank, world_size, strategy_name, root):
         "hybrid": lambda: HybridParallelStrategy(data_parallel_size=2),
         "ddp": lambda: "ddp",
         "helix": lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4),
+        "tp": lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, tp_plan=_SLEEP_PLAN),
     }[strategy_name]()
     module = SleepNet(seconds=0.0)
     return _fit(strategy, world_size, root, module, _loader(4, 2), 2, [BubbleProfiler(), MemoryProfiler()])
 
 
-@pytest.mark.parametrize("strategy_name", ["hybrid", "ddp"])
+_SLEEP_PLAN = {"up": "colwise", "down": "rowwise"}  # SleepBlock has no adapter: a user plan, its own forward
+
+
+@pytest.mark.parametrize("strategy_name", ["hybrid", "ddp", "tp"])
 def test_profilers_without_a_pipeline_report_communication_and_memory(strategy_name):
     with tempfile.TemporaryDirectory() as root:
         ranks = run_distributed(_profiled, 2, strategy_name, root, init_process_group=False, timeout=120)

@@ -88,6 +88,16 @@ def test_pp2_x_tp2_with_sequence_parallelism():
     assert_parity("gpt", make, 4, data_parallel_size=1, gradient_clip_val=0.05)
 
 
+@pytest.mark.slow
+def test_dp2_x_pp2_x_tp2_on_eight_ranks():
+    def make():
+        return PipelineParallelStrategy(
+            data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2
+        )
+
+    assert_parity("gpt", make, 8, data_parallel_size=2, gradient_clip_val=0.05)
+
+
 def test_dp2_x_tp2_on_four_ranks():
     make = lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)  # noqa: E731
     assert_parity("llama", make, 4, data_parallel_size=2, gradient_clip_val=0.05)
