@@ -252,3 +252,13 @@ def recv_packed(src: int, tag: int, group: ProcessGroup, device: torch.device) -
     dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
     parts = [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), specs)]
     return parts, int(header[-1]) / 1e6
+
+
+# ------------------------------------------------------------------- differentiable (sequence parallel)
+def all_to_all_autograd(tensor: Tensor, group: ProcessGroup) -> Tensor:
+    """Equal-split all-to-all along dim 0 whose backward is the inverse all-to-all (functional
+    collectives: correct gradients on gloo, unlike ``torch.distributed.nn``; cpu-gloo.md §3)."""
+    import torch.distributed._functional_collectives as fc
+
+    out = fc.all_to_all_single_autograd(tensor.contiguous(), None, None, group)
+    return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out

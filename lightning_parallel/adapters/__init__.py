@@ -45,6 +45,10 @@ class BlockAdapter(Protocol):
         """(attention heads, key/value heads)."""
         ...
 
+    def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
+        """Sequence parallelism: the block arguments ``pre``/``post`` use, at the token positions ``index``."""
+        ...
+
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
         """Tensor parallelism: submodule (or bare parameter) name -> ``"colwise"``, ``"rowwise"`` or
         ``"colwise_qkv"`` (a fused q|k|v projection, sharded head-aligned)."""

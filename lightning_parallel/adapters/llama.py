@@ -33,6 +33,15 @@ class LlamaAdapter:
             return plan | {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
         raise ValueError(f"no gate_proj/up_proj/down_proj in the MLP of {type(block).__name__}; pass tp_plan=")
 
+    def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
+        """The rotary tables at the local token positions ``index`` (the only arguments that carry T in
+        ``pre``/``post``); masks are used by ``attention`` only, on the whole sequence."""
+        if args:
+            cos, sin = args[0], args[1]
+            return (cos.index_select(-2, index), sin.index_select(-2, index), *args[2:]), kwargs
+        cos, sin = kwargs["position_embeddings"]
+        return args, {**kwargs, "position_embeddings": (cos.index_select(-2, index), sin.index_select(-2, index))}
+
     def matches(self, block: nn.Module) -> bool:
         attn = getattr(block, "self_attn", None)
         return all(hasattr(block, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")) and all(

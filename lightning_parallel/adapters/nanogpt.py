@@ -14,6 +14,9 @@ class NanoGPTAdapter:
     def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
         return ("ln_1", "attn.c_attn")
 
+    def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
+        return args, kwargs  # no argument of pre/post carries the sequence (a mask is used by attention only)
+
     def head_counts(self, block: nn.Module) -> tuple[int, int]:
         attn = block.attn
         heads = getattr(attn, "n_head", None) or attn.num_heads

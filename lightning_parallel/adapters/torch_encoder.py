@@ -27,6 +27,9 @@ class TorchEncoderAdapter:
     def matches(self, block: nn.Module) -> bool:
         return isinstance(block, nn.TransformerEncoderLayer)
 
+    def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
+        return args, kwargs  # no argument of pre/post carries the sequence (a mask is used by attention only)
+
     def head_counts(self, block: nn.Module) -> tuple[int, int]:
         return block.self_attn.num_heads, block.self_attn.num_heads
 

@@ -75,6 +75,11 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             )
         if folds not in (1, 2):
             raise ValueError(f"folds must be 1 or 2, got {folds!r}")
+        if kwargs.get("sequence_parallel_size", 1) != 1:
+            raise ValueError(
+                f"helix with sequence_parallel_size={kwargs['sequence_parallel_size']} is not supported: its attention"
+                " runs on another stage; use strategy='pipeline' for pp x sp"
+            )
         if kwargs.get("tensor_parallel_size", 1) != 1:
             raise ValueError(
                 f"helix with tensor_parallel_size={kwargs['tensor_parallel_size']} is not supported: its param chunks"

@@ -42,9 +42,11 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel import recompute as recompute_lib
-from lightning_parallel.mesh import DP, PP, TP, ParallelDims, Size, check_size
+from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
+from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies._logging import MetricStepper
+from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.strategies._tensor import TensorParallelMixin
 from lightning_parallel.tensor_parallel import local
@@ -52,7 +54,7 @@ from lightning_parallel.tensor_parallel import local
 log = logging.getLogger(__name__)
 
 
-class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
+class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMixin, ParallelStrategy):
     """Data and tensor parallelism over a named ``(dp, pp, sp, tp)`` mesh; the base of the other strategies.
 
     Args:
@@ -63,6 +65,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
             plan of the block family's adapter (and is required for a family without one).
         tp_sequence_parallel: Megatron-style sequence parallelism between the tensor-parallel regions: norms,
             residuals and dropout on 1/tp of the sequence per rank (the sequence length must divide by tp).
+        sequence_parallel_size: split every block's sequence over this many ranks (context parallelism;
+            see :mod:`lightning_parallel.sequence_parallel`).
+        sequence_parallel_mode: ``"ulysses"`` (all-to-all between sequence and heads).
         adapter: block-family adapter name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``); default: found.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
         timeout: timeout of the process group's collectives.
@@ -87,6 +92,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
         tensor_parallel_size: Size = 1,
         tp_plan: Optional[dict[str, str]] = None,
         tp_sequence_parallel: bool = False,
+        sequence_parallel_size: Size = 1,
+        sequence_parallel_mode: Literal["ulysses"] = "ulysses",
         adapter: Optional[str] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -112,6 +119,14 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
         )
         check_size(DP, data_parallel_size)  # fail at construction, not at launch
         check_size(TP, tensor_parallel_size)
+        check_size(SP, sequence_parallel_size)
+        if sequence_parallel_mode not in MODES:
+            raise ValueError(f"sequence_parallel_mode={sequence_parallel_mode!r}; choose one of {MODES}")
+        if sequence_parallel_size not in (1, "1") and tensor_parallel_size not in (1, "1"):
+            raise ValueError(
+                f"sequence_parallel_size={sequence_parallel_size} with tensor_parallel_size={tensor_parallel_size} is"
+                " not supported yet; use one of them (tp_sequence_parallel=True shards norms along the sequence)"
+            )
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
         self._recompute = dict(
             policy=recompute,
@@ -121,7 +136,12 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
             attention_kernels=tuple(attention_kernels),
         )
         self._trunk_path = trunk
-        self._sizes: dict[str, Size] = {"dp": data_parallel_size, "tp": tensor_parallel_size}
+        self._sizes: dict[str, Size] = {
+            "dp": data_parallel_size,
+            "tp": tensor_parallel_size,
+            "sp": sequence_parallel_size,
+        }
+        self._sp_mode = sequence_parallel_mode
         self._tp_plan, self._adapter_arg, self._tp_sequence_parallel = tp_plan, adapter, tp_sequence_parallel
         self._tp_layout = None
         self._process_group_backend = process_group_backend
@@ -229,11 +249,12 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._apply_tensor_parallel(self.lightning_module)
+        self._apply_sequence_parallel(self.lightning_module)
         self._apply_recompute(self.lightning_module)
         self._sync_module_states(self.model)
-        if self.parallel_dims.tp > 1:
+        if self.parallel_dims.tp > 1 or self.parallel_dims.sp > 1:
             for metric in MetricStepper(self.lightning_module, False).metrics.values():
-                metric.process_group = self.dp_group  # a tp replica's samples are the replica's samples
+                metric.process_group = self.dp_group  # a tp/sp replica's samples are the replica's samples
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -278,6 +299,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, ParallelStrategy):
     def sync_gradients(self, optimizer: Optimizer) -> None:
         """Average this optimizer's gradients over the dp group (tensor-parallel shards: their local parts)."""
         self._materialize_gradients(optimizer)
+        self._sum_sequence_gradients(optimizer)
         group = self.dp_group
         if group is None or self.parallel_dims.dp == 1:
             return

@@ -150,6 +150,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self.model_to_device()
         self._build_pipeline(lm)
         self._apply_tensor_parallel(lm)  # this stage's blocks only
+        self._apply_sequence_parallel(lm)
         self._apply_recompute(lm)  # after placement: wraps the blocks this stage runs
         self._sync_module_states(self.model)
         for metric in MetricStepper(lm, False).metrics.values():

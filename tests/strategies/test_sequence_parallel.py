@@ -1,0 +1,150 @@
+"""Sequence (context) parallelism (issue 8, Ulysses so far): parity with one device, composition with
+the pipeline and data parallelism, activation memory per rank, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy
+from tests.helpers.distributed import RankFailed, run_distributed
+from tests.helpers.parity import assert_parity
+
+
+def _sp(**kwargs):
+    return lambda: HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+def test_ulysses_sp2_matches_one_device(model):
+    assert_parity(model, _sp(), 2, data_parallel_size=1, gradient_clip_val=0.05)
+
+
+def test_pp2_x_sp2_on_four_ranks():
+    def make():
+        return PipelineParallelStrategy(pipeline_parallel_size=2, sequence_parallel_size=2, num_microbatches=4)
+
+    assert_parity("llama", make, 4, data_parallel_size=1, gradient_clip_val=0.05)
+
+
+def test_dp2_x_sp2_on_four_ranks():
+    make = lambda: HybridParallelStrategy(data_parallel_size=2, sequence_parallel_size=2)  # noqa: E731
+    assert_parity("gpt", make, 4, data_parallel_size=2)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "no_attention"])
+def test_recomputation_of_sequence_parallel_blocks(policy):
+    assert_parity("llama", _sp(recompute=policy), 2, data_parallel_size=1)
+
+
+def _norm_lengths(rank, world_size, model):
+    import lightning as L
+
+    from lightning_parallel.pipeline.trunk import discover_trunk
+    from tests.helpers.parity import build
+
+    module, data = build(model, 8, "sgd")
+    block = discover_trunk(module).blocks[1]  # not the verified block: no copies call its hooks
+    norm = next(m for n, m in block.named_modules() if "norm" in type(m).__name__.lower())
+    seen = []
+    norm.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_sp()(), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return seen
+
+
+def test_blocks_run_on_half_the_sequence():
+    from tests.helpers.parity import SEQ_LEN
+
+    for seen in run_distributed(_norm_lengths, 2, "llama", init_process_group=False):
+        assert seen and set(seen) == {SEQ_LEN // 2}, seen
+
+
+def _fit(rank, world_size, make_module, strategy_kwargs):
+    import lightning as L
+
+    module, data = make_module()
+    strategy = HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, **strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+
+
+def _llama(seq_len=16, **kwargs):
+    def make():
+        from examples.data import CharDataModule
+        from examples.models import Llama
+
+        data = CharDataModule(block_size=seq_len, batch_size=4, shuffle=False)
+        return Llama(vocab_size=data.vocab_size, block_size=seq_len, **kwargs), data
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "make_module,kwargs,message",
+    [
+        (_llama(seq_len=15, n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64), {},
+         r"needs the sequence length \(15\) to be divisible by sequence_parallel_size \(2\)"),
+        (_llama(n_layer=2, n_head=4, n_kv_head=1, dim=32, mlp_hidden=64), {},
+         r"sequence_parallel_size=2 to divide the number of key/value heads \(1\) of DecoderLayer"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_named(make_module, kwargs, message):
+    with pytest.raises(RankFailed, match=message):
+        run_distributed(_fit, 2, make_module, kwargs, init_process_group=False, timeout=60)
+
+
+def test_unsupported_combinations_are_refused_at_construction():
+    from lightning_parallel import HelixParallelStrategy
+
+    with pytest.raises(ValueError, match="sequence_parallel_mode='zigzag'; choose one of"):
+        HybridParallelStrategy(sequence_parallel_size=2, sequence_parallel_mode="zigzag")
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 with tensor_parallel_size=2 is not supported yet"):
+        HybridParallelStrategy(sequence_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="helix with sequence_parallel_size=2 is not supported"):
+        HelixParallelStrategy(pipeline_parallel_size=2, sequence_parallel_size=2)
+
+
+def _trunk_kept_bytes(rank, world_size):
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.models import Llama
+    from examples.models.llama import rope_tables
+    from lightning_parallel.adapters import find_adapter
+    from lightning_parallel.memory import kept_for_backward
+    from lightning_parallel.pipeline.trunk import discover_trunk
+    from lightning_parallel.sequence_parallel import parallelize_sequence
+
+    torch.manual_seed(0)
+    T, dim, heads = 256, 64, 4
+    model = Llama(vocab_size=65, block_size=T, n_layer=4, n_head=heads, n_kv_head=2, dim=dim, mlp_hidden=128)
+    x = torch.randn(2, T, dim, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    cos, sin = (t.float() for t in rope_tables(dim // heads, T))
+
+    def run(blocks):
+        h = x
+        for block in blocks:
+            h = block(h, cos, sin)
+        return h
+
+    single = discover_trunk(copy.deepcopy(model)).blocks
+    whole, reference = kept_for_backward(lambda: run(single))
+    trunk = discover_trunk(model)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
+    parallelize_sequence(trunk.blocks, find_adapter(trunk.blocks[0]), mesh)
+    run(trunk.blocks)  # the first call verifies the adapter on unsharded copies
+    mine, out = kept_for_backward(lambda: run(trunk.blocks))
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    output = out.numel() * out.element_size()  # the trunk's output is whole on every rank
+    return (mine - output) / (whole - output)
+
+
+def test_saved_activation_bytes_inside_the_trunk_are_one_over_sp():
+    for ratio in run_distributed(_trunk_kept_bytes, 2):
+        assert 0.45 <= ratio <= 0.6, ratio
