@@ -262,3 +262,16 @@ def all_to_all_autograd(tensor: Tensor, group: ProcessGroup) -> Tensor:
 
     out = fc.all_to_all_single_autograd(tensor.contiguous(), None, None, group)
     return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+
+
+def ring_shift_autograd(tensor: Tensor, group: ProcessGroup, rank: int, size: int) -> Tensor:
+    """Send ``tensor`` to the next rank of the ring and return the previous rank's (same shape); the
+    backward sends the gradient the other way. An all-to-all with one non-empty split each way."""
+    import torch.distributed._functional_collectives as fc
+
+    flat = tensor.contiguous().reshape(1, -1)
+    send = [1 if j == (rank + 1) % size else 0 for j in range(size)]
+    recv = [1 if j == (rank - 1) % size else 0 for j in range(size)]
+    out = fc.all_to_all_single_autograd(flat, recv, send, group)
+    out = fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+    return out.reshape(tensor.shape)

@@ -59,6 +59,16 @@ def attention_ops() -> set[Any]:
 
 
 MATH_ATTENTION_OPS = {aten.bmm.default, aten._softmax.default}  # SDPA's math path (attention dropout on CPU)
+
+
+def communication_ops() -> set[Any]:
+    """Functional collectives (sequence parallelism's all-to-alls and ring shifts, DTensor's
+    redistributions): every policy keeps their outputs, so recomputation never re-runs communication."""
+    c10d = torch.ops._c10d_functional
+    names = ("all_to_all_single", "wait_tensor", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+    return {getattr(c10d, n).default for n in names if hasattr(c10d, n)}
+
+
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 
 
@@ -81,11 +91,14 @@ def apply_recompute(
     trunk: str | None = None,
     mlp_module: str | None = None,
     attention_kernels: tuple[str, ...] = (),
+    keep_communication: bool = False,
 ) -> nn.Module:
     """Wrap each trunk block of ``module`` in the recomputation ``policy`` (and chunk its MLP); in place.
 
     ``attention_kernels`` names further ops (``"namespace::op"`` or ``"namespace::op.overload"``) that
     ``no_attention`` and ``selective`` must keep, for blocks whose attention runs a custom kernel.
+    ``keep_communication`` (set by the strategies under tensor or sequence parallelism) makes every
+    policy keep the outputs of the blocks' collectives, so recomputation never runs them again.
     Works without Lightning. Re-applying replaces the previous wrapping. Returns ``module``.
     """
     validate(policy, every_n, mlp_chunks)
@@ -97,7 +110,7 @@ def apply_recompute(
         if policy == "none" or (policy == "every_n" and j % every_n):
             continue
         block._lp_original_forward = block.__dict__.get("forward")
-        block.forward = _Recomputed(block, "full" if policy == "every_n" else policy, extra)
+        block.forward = _Recomputed(block, "full" if policy == "every_n" else policy, extra, keep_communication)
     return module
 
 
@@ -118,20 +131,23 @@ class _Recomputed:
     It holds the block itself (not a bound method), so a ``copy.deepcopy`` of the block gets a wrapper
     that runs the copy."""
 
-    def __init__(self, block: nn.Module, policy: str, extra: set[Any] = frozenset()) -> None:
+    def __init__(
+        self, block: nn.Module, policy: str, extra: set[Any] = frozenset(), keep_communication: bool = False
+    ) -> None:
         self.block, self.policy, self.block_name = block, policy, type(block).__name__
         self._inner = block.__dict__.get("_lp_original_forward")  # an instance forward that was there before
-        self.keep = set()
+        self._communication = communication_ops() if keep_communication else set()
+        self.keep = set(self._communication)  # "full" with communication: recompute everything else
         if policy == "selective":
-            self.keep = attention_ops() | MATMUL_OPS | set(extra)
+            self.keep |= attention_ops() | MATMUL_OPS | set(extra)
         elif policy == "no_attention":
-            self.keep = attention_ops() | MATH_ATTENTION_OPS | set(extra)
+            self.keep |= attention_ops() | MATH_ATTENTION_OPS | set(extra)
         self._checked = policy != "no_attention"
         self._saw_attention = False
 
     def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op in self.keep:
-            self._saw_attention = True
+            self._saw_attention = self._saw_attention or op not in self._communication
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -141,7 +157,7 @@ class _Recomputed:
         return type(self.block).forward(self.block, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.policy == "full":
+        if self.policy == "full" and not self._communication:
             return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
         context = functools.partial(create_selective_checkpoint_contexts, self._policy)
         out = checkpoint(self.forward, *args, use_reentrant=False, context_fn=context, **kwargs)

@@ -1,5 +1,5 @@
-"""Sequence (context) parallelism for unchanged blocks: DeepSpeed-Ulysses (Jacobs et al., arXiv
-2309.14509) over the ``sp`` axis.
+"""Sequence (context) parallelism for unchanged blocks over the ``sp`` axis: DeepSpeed-Ulysses (Jacobs et
+al., arXiv 2309.14509) and ring attention (Liu et al., arXiv 2310.01889) with zig-zag load balancing.
 
 Each block of the trunk runs the adapter's split forward (``lightning_parallel.adapters``) on 1/sp of
 the sequence per rank:
@@ -15,6 +15,13 @@ the sequence per rank:
    (functional collectives, which differentiate correctly on gloo);
 4. ``post`` (output projection, residuals, MLP) runs on the local tokens; the output is all-gathered
    (``Shard(1) -> Replicate``, whose backward is a slice), so the trunk's interface is unchanged.
+
+Ring mode replaces step 3: the sequence is cut into 2·sp chunks and rank r holds chunks r and 2sp-1-r
+(zig-zag), the same permutation applied to the hidden state on entry (and undone on exit) and to the
+rotary positions, so every rank does the same causal work. k and v travel around the ring (sp-1
+differentiable shifts); each (q chunk, kv chunk) pair is skipped (entirely in the future), computed
+in full (entirely in the past) or with the causal diagonal, and the partial results are merged with
+their log-sum-exp. Masks other than causal/none and attention dropout are refused in ring mode.
 
 Parameters inside the blocks see 1/sp of the tokens on each rank: their gradients are summed over the
 sp group (``SequenceParallelLayout.partial``). The adapter is verified against the block's own forward
@@ -36,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_parallel import _collectives
 from lightning_parallel.adapters import BlockAdapter, verify_adapter
 
-MODES = ("ulysses",)
+MODES = ("ulysses", "ring")
 
 
 @dataclass
@@ -44,9 +51,12 @@ class SequenceParallelLayout:
     mesh: DeviceMesh
     mode: str
     partial: list[nn.Parameter] = field(default_factory=list)  # block parameters: gradients summed over sp
+    work: list[float] = field(default_factory=lambda: [0.0])  # ring: unmasked score entries computed here
 
 
-def check_heads(block: nn.Module, adapter: BlockAdapter, sp: int) -> None:
+def check_heads(block: nn.Module, adapter: BlockAdapter, sp: int, mode: str) -> None:
+    if mode == "ring":
+        return  # ring attention keeps every head on every rank
     heads, kv_heads = adapter.head_counts(block)
     for what, n in (("attention heads", heads), ("key/value heads", kv_heads)):
         if n % sp:
@@ -65,8 +75,9 @@ def parallelize_sequence(
         raise ValueError(f"sequence_parallel_mode={mode!r}; choose one of {MODES}")
     layout = SequenceParallelLayout(mesh, mode)
     for i, block in enumerate(blocks):
-        check_heads(block, adapter, mesh.size())
-        block.forward = _SequenceParallelForward(block, adapter, mesh, copy.deepcopy(block) if i == 0 else None)
+        check_heads(block, adapter, mesh.size(), mode)
+        reference = copy.deepcopy(block) if i == 0 else None
+        block.forward = _SequenceParallelForward(block, adapter, mesh, reference, mode, layout.work)
         if i == 0:  # verified once, on the first real input, outside any recomputation
             block.register_forward_pre_hook(_verify_once, with_kwargs=True)
         layout.partial += list(block.parameters())
@@ -74,27 +85,96 @@ def parallelize_sequence(
 
 
 class _SequenceParallelForward:
-    def __init__(self, block: nn.Module, adapter: BlockAdapter, mesh: DeviceMesh, reference: nn.Module | None):
-        self.block, self.adapter, self.mesh, self.reference = block, adapter, mesh, reference
+    def __init__(
+        self, block: nn.Module, adapter: BlockAdapter, mesh: DeviceMesh, reference: nn.Module | None, mode: str,
+        work: list[float],
+    ) -> None:  # fmt: skip
+        self.block, self.adapter, self.mesh, self.reference, self.mode, self.work = (
+            block, adapter, mesh, reference, mode, work,
+        )  # fmt: skip
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         sp, T = self.mesh.size(), x.shape[1]
-        if T % sp:
+        parts = 2 * sp if self.mode == "ring" else sp
+        if T % parts:
             raise ValueError(
-                f"sequence parallelism needs the sequence length ({T}) to be divisible by sequence_parallel_size"
-                f" ({sp}); pad the batch or change sequence_parallel_size"
+                f"sequence parallelism needs the sequence length ({T}) to be divisible by"
+                f" {'2 x ' if parts > sp else ''}sequence_parallel_size ({parts}); pad the batch or change"
+                " sequence_parallel_size"
             )
-        rank = self.mesh.get_local_rank()
-        index = torch.arange(rank * (T // sp), (rank + 1) * (T // sp), device=x.device)
+        rank, group = self.mesh.get_local_rank(), self.mesh.get_group()
+        order = zigzag(T, sp, x.device) if self.mode == "ring" else torch.arange(T, device=x.device)
+        index = order.view(sp, -1)[rank]  # this rank's token positions
+        if self.mode == "ring":
+            x = x.index_select(1, order)
         mine = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
         local_args, local_kwargs = self.adapter.sequence_args(self.block, args, kwargs, index)
         (q, k, v), residual = self.adapter.pre(self.block, mine.to_local(), local_args, local_kwargs)
-        group = self.mesh.get_group()
-        q, k, v = (_heads_to_sequence(t, sp, group) for t in (q, k, v))
-        out = _sequence_to_heads(self.adapter.attention(self.block, q, k, v, args, kwargs), sp, group)
+        if self.mode == "ring":
+            out = self._ring(q, k, v, args, kwargs, rank, group)
+        else:
+            q, k, v = (_heads_to_sequence(t, sp, group) for t in (q, k, v))
+            out = _sequence_to_heads(self.adapter.attention(self.block, q, k, v, args, kwargs), sp, group)
         y = self.adapter.post(self.block, out, residual, local_args, local_kwargs)
         whole = DTensor.from_local(y, self.mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
-        return whole.to_local()
+        y = whole.to_local()
+        return y.index_select(1, torch.argsort(order)) if self.mode == "ring" else y
+
+    def _ring(self, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict, rank: int, group: Any) -> Tensor:
+        causal, scale, dropout, mask = self.adapter.attention_info(self.block, args, kwargs)
+        if mask is not None or dropout:
+            raise ValueError(
+                f"sequence_parallel_mode='ring' supports causal or unmasked attention without dropout; this call of"
+                f" {type(self.block).__name__} passes {'a mask' if mask is not None else f'dropout={dropout}'};"
+                " use sequence_parallel_mode='ulysses'"
+            )
+        sp = self.mesh.size()
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: every query head gets its kv head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        q_chunks = (rank, 2 * sp - 1 - rank)
+        acc: list[tuple[Tensor, Tensor] | None] = [None, None]
+        for step in range(sp):
+            source = (rank - step) % sp
+            kv_chunks = (source, 2 * sp - 1 - source)
+            for i, qc in enumerate(q_chunks):
+                for j, kc in enumerate(kv_chunks):
+                    if causal and kc > qc:
+                        continue  # entirely in the future
+                    part = _attend(_half(q, i), _half(k, j), _half(v, j), scale, causal and kc == qc)
+                    acc[i] = part if acc[i] is None else _merge(acc[i], part)
+                    c = q.shape[2] // 2
+                    self.work[0] += c * (c + 1) / 2 if causal and kc == qc else c * c
+            if step < sp - 1:
+                k, v = (_collectives.ring_shift_autograd(t, group, rank, sp) for t in (k, v))
+        return torch.cat([a[0] for a in acc if a is not None], dim=2)
+
+
+def zigzag(T: int, sp: int, device: torch.device) -> Tensor:
+    """Token order that gives rank r the chunks r and 2sp-1-r of 2sp equal chunks (causal load balance)."""
+    chunks = torch.arange(T, device=device).view(2 * sp, -1)
+    return torch.cat([torch.cat([chunks[r], chunks[2 * sp - 1 - r]]) for r in range(sp)])
+
+
+def _half(t: Tensor, i: int) -> Tensor:
+    return t.chunk(2, dim=2)[i]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Attention of one (q chunk, kv chunk) pair and its log-sum-exp per query (B, H, c, 1)."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:  # the diagonal pair: the same positions on both sides
+        n = scores.shape[-1]
+        future = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def _merge(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Combine two partial attentions over disjoint key sets by their log-sum-exps."""
+    lse = torch.logaddexp(a[1], b[1])
+    return a[0] * torch.exp(a[1] - lse) + b[0] * torch.exp(b[1] - lse), lse
 
 
 def _heads_to_sequence(t: Tensor, sp: int, group: Any) -> Tensor:

@@ -45,6 +45,10 @@ class BlockAdapter(Protocol):
         """(attention heads, key/value heads)."""
         ...
 
+    def attention_info(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[bool, float | None, float, object]:
+        """(causal, scale, dropout probability, explicit mask or None) of this call's attention (ring mode)."""
+        ...
+
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
         """Sequence parallelism: the block arguments ``pre``/``post`` use, at the token positions ``index``."""
         ...

@@ -33,6 +33,11 @@ class LlamaAdapter:
             return plan | {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
         raise ValueError(f"no gate_proj/up_proj/down_proj in the MLP of {type(block).__name__}; pass tp_plan=")
 
+    def attention_info(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[bool, float | None, float, object]:
+        mask = kwargs.get("attention_mask")
+        dropout = getattr(block.self_attn, "attention_dropout", 0.0) if block.training else 0.0
+        return mask is None, getattr(block.self_attn, "scaling", None), dropout, mask
+
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
         """The rotary tables at the local token positions ``index`` (the only arguments that carry T in
         ``pre``/``post``); masks are used by ``attention`` only, on the whole sequence."""

@@ -14,6 +14,13 @@ class NanoGPTAdapter:
     def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
         return ("ln_1", "attn.c_attn")
 
+    def attention_info(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[bool, float | None, float, object]:
+        """(causal, scale, dropout probability, explicit mask or None) of this call's attention."""
+        attn = block.attn
+        dropout = attn.attn_dropout.p if hasattr(attn, "attn_dropout") else attn.dropout
+        mask = kwargs.get("attention_mask")
+        return mask is None, getattr(attn, "scaling", None), dropout if block.training else 0.0, mask
+
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
         return args, kwargs  # no argument of pre/post carries the sequence (a mask is used by attention only)
 

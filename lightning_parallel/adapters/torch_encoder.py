@@ -27,6 +27,9 @@ class TorchEncoderAdapter:
     def matches(self, block: nn.Module) -> bool:
         return isinstance(block, nn.TransformerEncoderLayer)
 
+    def attention_info(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[bool, float | None, float, object]:
+        return False, None, block.self_attn.dropout if block.training else 0.0, None
+
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
         return args, kwargs  # no argument of pre/post carries the sequence (a mask is used by attention only)
 

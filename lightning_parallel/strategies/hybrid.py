@@ -67,7 +67,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             residuals and dropout on 1/tp of the sequence per rank (the sequence length must divide by tp).
         sequence_parallel_size: split every block's sequence over this many ranks (context parallelism;
             see :mod:`lightning_parallel.sequence_parallel`).
-        sequence_parallel_mode: ``"ulysses"`` (all-to-all between sequence and heads).
+        sequence_parallel_mode: ``"ulysses"`` (all-to-all between sequence and heads; sp divides the heads)
+            or ``"ring"`` (k/v passed around the ring, zig-zag balanced; causal or unmasked attention).
         adapter: block-family adapter name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``); default: found.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
         timeout: timeout of the process group's collectives.
@@ -93,7 +94,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         tp_plan: Optional[dict[str, str]] = None,
         tp_sequence_parallel: bool = False,
         sequence_parallel_size: Size = 1,
-        sequence_parallel_mode: Literal["ulysses"] = "ulysses",
+        sequence_parallel_mode: Literal["ulysses", "ring"] = "ulysses",
         adapter: Optional[str] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -266,7 +267,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
     def _apply_recompute(self, module: torch.nn.Module) -> None:
         """Recomputation wrappers (and MLP chunking) around the trunk's blocks, when asked for."""
         if self._recompute["policy"] != "none" or self._recompute["mlp_chunks"] > 1:
-            recompute_lib.apply_recompute(module, trunk=self._trunk_path, **self._recompute)
+            communication = self.parallel_dims.tp > 1 or self.parallel_dims.sp > 1  # never re-run collectives
+            recompute_lib.apply_recompute(
+                module, trunk=self._trunk_path, keep_communication=communication, **self._recompute
+            )
 
     def _sync_module_states(self, module: torch.nn.Module) -> None:
         """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""
@@ -356,4 +360,12 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
                 override=True,
                 data_parallel_size=1,
                 tensor_parallel_size="auto",
+            )
+            StrategyRegistry.register(
+                "sequence_parallel",
+                cls,
+                description="lightning-parallel: sequence (context) parallelism over all devices (Ulysses; or ring)",
+                override=True,
+                data_parallel_size=1,
+                sequence_parallel_size="auto",
             )

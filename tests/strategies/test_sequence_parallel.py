@@ -1,4 +1,4 @@
-"""Sequence (context) parallelism (issue 8, Ulysses so far): parity with one device, composition with
+"""Sequence (context) parallelism (issue 8), Ulysses and ring: parity with one device, composition with
 the pipeline and data parallelism, activation memory per rank, and bad input."""
 
 from __future__ import annotations
@@ -14,14 +14,18 @@ def _sp(**kwargs):
     return lambda: HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, **kwargs)
 
 
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
 @pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
-def test_ulysses_sp2_matches_one_device(model):
-    assert_parity(model, _sp(), 2, data_parallel_size=1, gradient_clip_val=0.05)
+def test_sp2_matches_one_device(model, mode):
+    assert_parity(model, _sp(sequence_parallel_mode=mode), 2, data_parallel_size=1, gradient_clip_val=0.05)
 
 
-def test_pp2_x_sp2_on_four_ranks():
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_pp2_x_sp2_on_four_ranks(mode):
     def make():
-        return PipelineParallelStrategy(pipeline_parallel_size=2, sequence_parallel_size=2, num_microbatches=4)
+        return PipelineParallelStrategy(
+            pipeline_parallel_size=2, sequence_parallel_size=2, sequence_parallel_mode=mode, num_microbatches=4
+        )
 
     assert_parity("llama", make, 4, data_parallel_size=1, gradient_clip_val=0.05)
 
@@ -31,9 +35,10 @@ def test_dp2_x_sp2_on_four_ranks():
     assert_parity("gpt", make, 4, data_parallel_size=2)
 
 
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
 @pytest.mark.parametrize("policy", ["full", "selective", "no_attention"])
-def test_recomputation_of_sequence_parallel_blocks(policy):
-    assert_parity("llama", _sp(recompute=policy), 2, data_parallel_size=1)
+def test_recomputation_of_sequence_parallel_blocks(policy, mode):
+    assert_parity("llama", _sp(recompute=policy, sequence_parallel_mode=mode), 2, data_parallel_size=1)
 
 
 def _norm_lengths(rank, world_size, model):
@@ -148,3 +153,64 @@ def _trunk_kept_bytes(rank, world_size):
 def test_saved_activation_bytes_inside_the_trunk_are_one_over_sp():
     for ratio in run_distributed(_trunk_kept_bytes, 2):
         assert 0.45 <= ratio <= 0.6, ratio
+
+
+def test_ring_sp4_matches_one_device():
+    assert_parity("gpt", lambda: HybridParallelStrategy(sequence_parallel_size=4, sequence_parallel_mode="ring"), 4,
+                  data_parallel_size=1)  # fmt: skip
+
+
+def _ring_work(rank, world_size):
+    import lightning as L
+
+    from tests.helpers.parity import build
+
+    module, data = build("llama", 8, "sgd")
+    strategy = HybridParallelStrategy(sequence_parallel_size=4, sequence_parallel_mode="ring")
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return strategy._sp_layout.work[0]
+
+
+def test_ring_attention_work_is_balanced_across_ranks_for_a_causal_mask():
+    work = run_distributed(_ring_work, 4, init_process_group=False, timeout=120)
+    assert min(work) > 0 and max(work) / min(work) <= 1.10, work
+    # without the zig-zag, rank r would attend to r + 1/2 chunks' worth: 0.5 .. 3.5, a 7x spread at sp=4
+
+
+def _collective_calls(rank, world_size, mode, policy):
+    import lightning as L
+    import torch
+
+    from lightning_parallel.memory import LiveTensorTracker
+    from tests.helpers.parity import build
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.tracker = LiveTensorTracker()
+            self.tracker.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.tracker.__exit__(None, None, None)
+
+    module, data = build("llama", 8, "sgd")
+    counter = Count()
+    strategy = _sp(sequence_parallel_mode=mode, recompute=policy)()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[counter])  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return counter.tracker.counts[torch.ops._c10d_functional.all_to_all_single.default]
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_recomputation_never_runs_the_collectives_again(mode):
+    calls = {p: run_distributed(_collective_calls, 2, mode, p, init_process_group=False)[0]
+             for p in ("none", "full", "selective", "no_attention")}  # fmt: skip
+    assert calls["none"] > 0 and len(set(calls.values())) == 1, calls
+
+
+def test_registered_name_trains_the_encoder():
+    assert_parity("encoder", lambda: "sequence_parallel", 2, data_parallel_size=1)
