@@ -264,14 +264,26 @@ def all_to_all_autograd(tensor: Tensor, group: ProcessGroup) -> Tensor:
     return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
 
 
-def ring_shift_autograd(tensor: Tensor, group: ProcessGroup, rank: int, size: int) -> Tensor:
-    """Send ``tensor`` to the next rank of the ring and return the previous rank's (same shape); the
-    backward sends the gradient the other way. An all-to-all with one non-empty split each way."""
-    import torch.distributed._functional_collectives as fc
-
+def ring_shift(tensor: Tensor, group: ProcessGroup) -> Tensor:
+    """Send ``tensor`` to the next rank of ``group``'s ring; return the previous rank's (same shape)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.contiguous().reshape(1, -1)
+    out = torch.empty_like(flat)
     send = [1 if j == (rank + 1) % size else 0 for j in range(size)]
     recv = [1 if j == (rank - 1) % size else 0 for j in range(size)]
-    out = fc.all_to_all_single_autograd(flat, recv, send, group)
-    out = fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+    dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group)
     return out.reshape(tensor.shape)
+
+
+def resolve_group(name: str) -> ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    return dist.get_rank(group)
+
+
+def group_size(group: ProcessGroup) -> int:
+    return dist.get_world_size(group)

@@ -55,7 +55,9 @@ def attention_ops() -> set[Any]:
     for name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
         if flash is not None and hasattr(flash, name):
             ops.add(getattr(flash, name).default)
-    return ops
+    import lightning_parallel.ring_attention  # noqa: F401  (registers lightning_parallel::ring_attention)
+
+    return ops | {torch.ops.lightning_parallel.ring_attention.default}  # sequence parallelism's ring mode
 
 
 MATH_ATTENTION_OPS = {aten.bmm.default, aten._softmax.default}  # SDPA's math path (attention dropout on CPU)
@@ -66,7 +68,8 @@ def communication_ops() -> set[Any]:
     redistributions): every policy keeps their outputs, so recomputation never re-runs communication."""
     c10d = torch.ops._c10d_functional
     names = ("all_to_all_single", "wait_tensor", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-    return {getattr(c10d, n).default for n in names if hasattr(c10d, n)}
+    ring = torch.ops.lightning_parallel.ring_attention.default  # attention and communication in one op
+    return {getattr(c10d, n).default for n in names if hasattr(c10d, n)} | {ring}
 
 
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -137,6 +140,7 @@ class _Recomputed:
         self.block, self.policy, self.block_name = block, policy, type(block).__name__
         self._inner = block.__dict__.get("_lp_original_forward")  # an instance forward that was there before
         self._communication = communication_ops() if keep_communication else set()
+        self._attention = attention_ops()
         self.keep = set(self._communication)  # "full" with communication: recompute everything else
         if policy == "selective":
             self.keep |= attention_ops() | MATMUL_OPS | set(extra)
@@ -147,7 +151,7 @@ class _Recomputed:
 
     def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op in self.keep:
-            self._saw_attention = self._saw_attention or op not in self._communication
+            self._saw_attention = self._saw_attention or op not in self._communication or op in self._attention
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

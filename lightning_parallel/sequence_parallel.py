@@ -18,10 +18,10 @@ the sequence per rank:
 
 Ring mode replaces step 3: the sequence is cut into 2·sp chunks and rank r holds chunks r and 2sp-1-r
 (zig-zag), the same permutation applied to the hidden state on entry (and undone on exit) and to the
-rotary positions, so every rank does the same causal work. k and v travel around the ring (sp-1
-differentiable shifts); each (q chunk, kv chunk) pair is skipped (entirely in the future), computed
-in full (entirely in the past) or with the causal diagonal, and the partial results are merged with
-their log-sum-exp. Masks other than causal/none and attention dropout are refused in ring mode.
+rotary positions, so every rank does the same causal work; ``lightning_parallel.ring_attention`` passes
+k and v around the ring (fused flash kernel per chunk pair, merged by log-sum-exp; one custom op, so
+recomputation keeps its output). Masks other than causal/none and attention dropout are refused in
+ring mode.
 
 Parameters inside the blocks see 1/sp of the tokens on each rank: their gradients are summed over the
 sp group (``SequenceParallelLayout.partial``). The adapter is verified against the block's own forward
@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_parallel import _collectives
 from lightning_parallel.adapters import BlockAdapter, verify_adapter
+from lightning_parallel.ring_attention import ring_attention
 
 MODES = ("ulysses", "ring")
 
@@ -51,7 +52,6 @@ class SequenceParallelLayout:
     mesh: DeviceMesh
     mode: str
     partial: list[nn.Parameter] = field(default_factory=list)  # block parameters: gradients summed over sp
-    work: list[float] = field(default_factory=lambda: [0.0])  # ring: unmasked score entries computed here
 
 
 def check_heads(block: nn.Module, adapter: BlockAdapter, sp: int, mode: str) -> None:
@@ -77,7 +77,7 @@ def parallelize_sequence(
     for i, block in enumerate(blocks):
         check_heads(block, adapter, mesh.size(), mode)
         reference = copy.deepcopy(block) if i == 0 else None
-        block.forward = _SequenceParallelForward(block, adapter, mesh, reference, mode, layout.work)
+        block.forward = _SequenceParallelForward(block, adapter, mesh, reference, mode)
         if i == 0:  # verified once, on the first real input, outside any recomputation
             block.register_forward_pre_hook(_verify_once, with_kwargs=True)
         layout.partial += list(block.parameters())
@@ -86,12 +86,9 @@ def parallelize_sequence(
 
 class _SequenceParallelForward:
     def __init__(
-        self, block: nn.Module, adapter: BlockAdapter, mesh: DeviceMesh, reference: nn.Module | None, mode: str,
-        work: list[float],
-    ) -> None:  # fmt: skip
-        self.block, self.adapter, self.mesh, self.reference, self.mode, self.work = (
-            block, adapter, mesh, reference, mode, work,
-        )  # fmt: skip
+        self, block: nn.Module, adapter: BlockAdapter, mesh: DeviceMesh, reference: nn.Module | None, mode: str
+    ) -> None:
+        self.block, self.adapter, self.mesh, self.reference, self.mode = block, adapter, mesh, reference, mode
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         sp, T = self.mesh.size(), x.shape[1]
@@ -128,53 +125,17 @@ class _SequenceParallelForward:
                 f" {type(self.block).__name__} passes {'a mask' if mask is not None else f'dropout={dropout}'};"
                 " use sequence_parallel_mode='ulysses'"
             )
-        sp = self.mesh.size()
         if k.shape[1] != q.shape[1]:  # grouped-query attention: every query head gets its kv head
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         scale = scale if scale is not None else q.shape[-1] ** -0.5
-        q_chunks = (rank, 2 * sp - 1 - rank)
-        acc: list[tuple[Tensor, Tensor] | None] = [None, None]
-        for step in range(sp):
-            source = (rank - step) % sp
-            kv_chunks = (source, 2 * sp - 1 - source)
-            for i, qc in enumerate(q_chunks):
-                for j, kc in enumerate(kv_chunks):
-                    if causal and kc > qc:
-                        continue  # entirely in the future
-                    part = _attend(_half(q, i), _half(k, j), _half(v, j), scale, causal and kc == qc)
-                    acc[i] = part if acc[i] is None else _merge(acc[i], part)
-                    c = q.shape[2] // 2
-                    self.work[0] += c * (c + 1) / 2 if causal and kc == qc else c * c
-            if step < sp - 1:
-                k, v = (_collectives.ring_shift_autograd(t, group, rank, sp) for t in (k, v))
-        return torch.cat([a[0] for a in acc if a is not None], dim=2)
+        out, _ = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group.group_name, causal, scale)
+        return out
 
 
 def zigzag(T: int, sp: int, device: torch.device) -> Tensor:
     """Token order that gives rank r the chunks r and 2sp-1-r of 2sp equal chunks (causal load balance)."""
     chunks = torch.arange(T, device=device).view(2 * sp, -1)
     return torch.cat([torch.cat([chunks[r], chunks[2 * sp - 1 - r]]) for r in range(sp)])
-
-
-def _half(t: Tensor, i: int) -> Tensor:
-    return t.chunk(2, dim=2)[i]
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """Attention of one (q chunk, kv chunk) pair and its log-sum-exp per query (B, H, c, 1)."""
-    scores = (q @ k.transpose(-2, -1)) * scale
-    if causal:  # the diagonal pair: the same positions on both sides
-        n = scores.shape[-1]
-        future = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
-
-
-def _merge(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Combine two partial attentions over disjoint key sets by their log-sum-exps."""
-    lse = torch.logaddexp(a[1], b[1])
-    return a[0] * torch.exp(a[1] - lse) + b[0] * torch.exp(b[1] - lse), lse
 
 
 def _heads_to_sequence(t: Tensor, sp: int, group: Any) -> Tensor:

@@ -1,0 +1,106 @@
+"""Ring attention (Liu et al., arXiv 2310.01889) with zig-zag chunks, as one custom op.
+
+Each rank holds the queries, keys and values of two of the 2·sp sequence chunks, r and 2sp-1-r (so every
+rank does the same causal work). Forward: sp steps; at each, every (q chunk, kv chunk) pair that is not
+entirely in the future runs the fused CPU flash-attention kernel, which returns the log-sum-exp, and the
+partial outputs are merged with it; k and v then move one rank along the ring. Backward: the same
+steps with the kernel's backward, given the *final* output and log-sum-exp (FlashAttention-2's
+recurrence, so each pair's gradient is exact); the k/v gradients travel with their k/v and arrive home
+after sp shifts.
+
+Being one operator (``lightning_parallel::ring_attention``), activation recomputation keeps its output
+instead of running the ring again (``recompute.communication_ops``). ``WORK`` counts the unmasked
+attention scores each process computed (a load-balance measurement).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import Tensor
+
+from lightning_parallel import _collectives
+
+WORK: Counter = Counter()  # group name -> unmasked (query, key) pairs computed by this process, forward only
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _pairs(rank: int, source: int, sp: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """(q half, kv half, diagonal) of the chunk pairs rank ``rank`` computes against ``source``'s k/v."""
+    q_chunks, kv_chunks = (rank, 2 * sp - 1 - rank), (source, 2 * sp - 1 - source)
+    return [
+        (i, j, causal and kc == qc)
+        for i, qc in enumerate(q_chunks)
+        for j, kc in enumerate(kv_chunks)
+        if not (causal and kc > qc)
+    ]
+
+
+@torch.library.custom_op("lightning_parallel::ring_attention", mutates_args=())
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """(B, H, 2c, d) local zig-zag queries/keys/values (equal head counts) -> (output, log-sum-exp)."""
+    group = _collectives.resolve_group(group_name)
+    rank, sp = _collectives.group_rank(group), _collectives.group_size(group)
+    outs: list[Tensor | None] = [None, None]
+    lses: list[Tensor | None] = [None, None]
+    qs = q.chunk(2, dim=2)
+    c = qs[0].shape[2]
+    for step in range(sp):
+        ks, vs = k.chunk(2, dim=2), v.chunk(2, dim=2)
+        for i, j, diagonal in _pairs(rank, (rank - step) % sp, sp, causal):
+            o, lse = _flash(qs[i], ks[j], vs[j], 0.0, diagonal, scale=scale)
+            WORK[group_name] += c * (c + 1) / 2 if diagonal else c * c
+            if outs[i] is None:
+                outs[i], lses[i] = o, lse
+            else:
+                total = torch.logaddexp(lses[i], lse)
+                outs[i] = outs[i] * torch.exp(lses[i] - total).unsqueeze(-1) + o * torch.exp(lse - total).unsqueeze(-1)
+                lses[i] = total
+        if step < sp - 1:
+            k, v = _collectives.ring_shift(k, group), _collectives.ring_shift(v, group)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # type: ignore[arg-type]
+
+
+@ring_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1])
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, group_name, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group_name, ctx.causal, ctx.scale = group_name, causal, scale
+
+
+def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyped-def]
+    q, k, v, out, lse = ctx.saved_tensors
+    group = _collectives.resolve_group(ctx.group_name)
+    rank, sp = _collectives.group_rank(group), _collectives.group_size(group)
+    qs, gos, os_, ls = q.chunk(2, dim=2), grad_out.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2)
+    dq = [torch.zeros_like(t) for t in qs]
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for step in range(sp):
+        ks, vs = k.chunk(2, dim=2), v.chunk(2, dim=2)
+        dks, dvs = dk.chunk(2, dim=2), dv.chunk(2, dim=2)  # views: accumulate in place
+        for i, j, diagonal in _pairs(rank, (rank - step) % sp, sp, ctx.causal):
+            gq, gk, gv = _flash_backward(
+                gos[i].contiguous(), qs[i], ks[j], vs[j], os_[i], ls[i], 0.0, diagonal, scale=ctx.scale
+            )
+            dq[i] += gq
+            dks[j].add_(gk)
+            dvs[j].add_(gv)
+        if step < sp - 1:
+            k, v = _collectives.ring_shift(k, group), _collectives.ring_shift(v, group)
+        dk, dv = (
+            _collectives.ring_shift(dk, group),
+            _collectives.ring_shift(dv, group),
+        )  # travel with k/v, home at the end
+    return torch.cat(dq, dim=2), dk, dv, None, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup_context)
