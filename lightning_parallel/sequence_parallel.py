@@ -54,31 +54,33 @@ class SequenceParallelLayout:
     partial: list[nn.Parameter] = field(default_factory=list)  # block parameters: gradients summed over sp
 
 
-def check_heads(block: nn.Module, adapter: BlockAdapter, sp: int, mode: str) -> None:
+def check_heads(block: nn.Module, adapter: BlockAdapter, sp: int, mode: str, tp: int = 1) -> None:
     if mode == "ring":
-        return  # ring attention keeps every head on every rank
+        return  # ring attention keeps every (local) head on every rank
     heads, kv_heads = adapter.head_counts(block)
     for what, n in (("attention heads", heads), ("key/value heads", kv_heads)):
-        if n % sp:
+        if (n // tp) % sp:
+            per_rank = f" per tensor-parallel rank ({n} / {tp} = {n // tp})" if tp > 1 else f" ({n})"
             raise ValueError(
                 f"sequence_parallel_mode='ulysses' needs sequence_parallel_size={sp} to divide the number of {what}"
-                f" ({n}) of {type(block).__name__}"
+                f"{per_rank} of {type(block).__name__}; use sequence_parallel_mode='ring'"
             )
 
 
 def parallelize_sequence(
-    blocks: Iterable[nn.Module], adapter: BlockAdapter, mesh: DeviceMesh, mode: str = "ulysses"
+    blocks: Iterable[nn.Module], adapter: BlockAdapter, mesh: DeviceMesh, mode: str = "ulysses", tp: int = 1
 ) -> SequenceParallelLayout:
     """Make every block run on 1/sp of the sequence (see the module docstring); returns what the
-    strategy needs for gradients."""
+    strategy needs for gradients. With ``tp > 1`` the blocks are already tensor-parallel (their
+    projections sharded, the adapter verified by tensor parallelism): heads are split by tp, then by sp."""
     if mode not in MODES:
         raise ValueError(f"sequence_parallel_mode={mode!r}; choose one of {MODES}")
     layout = SequenceParallelLayout(mesh, mode)
     for i, block in enumerate(blocks):
-        check_heads(block, adapter, mesh.size(), mode)
-        reference = copy.deepcopy(block) if i == 0 else None
+        check_heads(block, adapter, mesh.size(), mode, tp)
+        reference = copy.deepcopy(block) if i == 0 and tp == 1 else None
         block.forward = _SequenceParallelForward(block, adapter, mesh, reference, mode)
-        if i == 0:  # verified once, on the first real input, outside any recomputation
+        if reference is not None:  # verified once, on the first real input, outside any recomputation
             block.register_forward_pre_hook(_verify_once, with_kwargs=True)
         layout.partial += list(block.parameters())
     return layout
@@ -91,6 +93,17 @@ class _SequenceParallelForward:
         self.block, self.adapter, self.mesh, self.reference, self.mode = block, adapter, mesh, reference, mode
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if not (self.block.training and _has_dropout(self.block)):
+            return self._forward(x, *args, **kwargs)
+        # Dropout on sharded activations: a seed drawn from the (replicated) generator keeps every rank's
+        # stream in step; offset by the rank, each rank's tokens get their own masks. Recomputation
+        # restores the generator first, so it draws the same seed and replays the same masks.
+        seed = int(torch.randint(0, 2**62, (1,)))
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            torch.manual_seed(seed + self.mesh.get_local_rank())
+            return self._forward(x, *args, **kwargs)
+
+    def _forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         sp, T = self.mesh.size(), x.shape[1]
         parts = 2 * sp if self.mode == "ring" else sp
         if T % parts:
@@ -130,6 +143,11 @@ class _SequenceParallelForward:
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         out, _ = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group.group_name, causal, scale)
         return out
+
+
+def _has_dropout(block: nn.Module) -> bool:
+    attn_p = [getattr(m, "dropout", 0.0) for m in block.modules() if isinstance(getattr(m, "dropout", None), float)]
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules()) or any(p > 0 for p in attn_p)
 
 
 def zigzag(T: int, sp: int, device: torch.device) -> Tensor:

@@ -13,6 +13,7 @@ from lightning_parallel.adapters import find_adapter
 from lightning_parallel.mesh import SP
 from lightning_parallel.pipeline.trunk import discover_trunk
 from lightning_parallel.sequence_parallel import SequenceParallelLayout, parallelize_sequence
+from lightning_parallel.tensor_parallel import local
 
 
 class SequenceParallelMixin:
@@ -35,7 +36,8 @@ class SequenceParallelMixin:
         trunk = discover_trunk(module, self._trunk_path)
         adapter = find_adapter(trunk.blocks[0], self._adapter_arg)
         local = [b for b in trunk.blocks if not any(p.is_meta for p in b.parameters())]
-        self._sp_layout = parallelize_sequence(local, adapter, self.device_mesh[SP], self._sp_mode)  # type: ignore[attr-defined]
+        mesh = self.device_mesh[SP]  # type: ignore[attr-defined]
+        self._sp_layout = parallelize_sequence(local, adapter, mesh, self._sp_mode, dims.tp)
 
     def _sum_sequence_gradients(self, optimizer: Optimizer) -> None:
         """Block parameters saw this rank's tokens only: sum their gradients over the sp group."""
@@ -43,5 +45,5 @@ class SequenceParallelMixin:
         if layout is None:
             return
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        grads = [p.grad for p in layout.partial if id(p) in mine and p.grad is not None]
+        grads = [local(p.grad) for p in layout.partial if id(p) in mine and p.grad is not None]
         _collectives.all_reduce_sum_(grads, self.sp_group)

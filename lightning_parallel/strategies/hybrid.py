@@ -123,10 +123,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         check_size(SP, sequence_parallel_size)
         if sequence_parallel_mode not in MODES:
             raise ValueError(f"sequence_parallel_mode={sequence_parallel_mode!r}; choose one of {MODES}")
-        if sequence_parallel_size not in (1, "1") and tensor_parallel_size not in (1, "1"):
+        if sequence_parallel_size not in (1, "1") and tp_sequence_parallel:
             raise ValueError(
-                f"sequence_parallel_size={sequence_parallel_size} with tensor_parallel_size={tensor_parallel_size} is"
-                " not supported yet; use one of them (tp_sequence_parallel=True shards norms along the sequence)"
+                f"sequence_parallel_size={sequence_parallel_size} already splits every block's sequence; it cannot be"
+                " combined with tp_sequence_parallel=True (which splits it between the tensor-parallel regions)"
             )
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
         self._recompute = dict(

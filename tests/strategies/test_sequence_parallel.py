@@ -4,6 +4,7 @@ the pipeline and data parallelism, activation memory per rank, and bad input."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import RankFailed, run_distributed
@@ -111,8 +112,8 @@ def test_unsupported_combinations_are_refused_at_construction():
 
     with pytest.raises(ValueError, match="sequence_parallel_mode='zigzag'; choose one of"):
         HybridParallelStrategy(sequence_parallel_size=2, sequence_parallel_mode="zigzag")
-    with pytest.raises(ValueError, match="sequence_parallel_size=2 with tensor_parallel_size=2 is not supported yet"):
-        HybridParallelStrategy(sequence_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="cannot be combined with tp_sequence_parallel=True"):
+        HybridParallelStrategy(sequence_parallel_size=2, tensor_parallel_size=2, tp_sequence_parallel=True)
     with pytest.raises(ValueError, match="helix with sequence_parallel_size=2 is not supported"):
         HelixParallelStrategy(pipeline_parallel_size=2, sequence_parallel_size=2)
 
@@ -222,3 +223,48 @@ def test_recomputation_never_runs_the_collectives_again(mode):
 
 def test_registered_name_trains_the_encoder():
     assert_parity("encoder", lambda: "sequence_parallel", 2, data_parallel_size=1)
+
+
+@pytest.mark.parametrize("model,mode", [("encoder", "ulysses"), ("gpt", "ring"), ("llama", "ring")])
+def test_sp2_x_tp2_on_four_ranks(model, mode):
+    def make():
+        return HybridParallelStrategy(
+            data_parallel_size=1, sequence_parallel_size=2, sequence_parallel_mode=mode, tensor_parallel_size=2
+        )
+
+    assert_parity(model, make, 4, data_parallel_size=1, gradient_clip_val=0.05)
+
+
+def _dropout_masks(rank, world_size):
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_parallel.adapters import find_adapter
+    from lightning_parallel.sequence_parallel import parallelize_sequence
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.5, batch_first=True)
+    layer.self_attn.dropout = 0.0  # token-wise dropout only: with equal tokens, equal masks give equal halves
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
+    parallelize_sequence([layer], find_adapter(layer), mesh)
+    layer.forward.reference = None  # skip verification: dropout makes the two forwards differ by design
+    x = torch.ones(1, 8, 16)  # every token the same: equal masks would give equal outputs
+    y = layer(x)
+    return y[:, :4], y[:, 4:], torch.rand(1)
+
+
+def test_dropout_masks_differ_across_sequence_shards_and_the_generator_stays_in_step():
+    (first, second, after0), (_, _, after1) = run_distributed(_dropout_masks, 2)
+    assert not torch.equal(first, second)  # the two halves of the sequence got different masks
+    assert torch.equal(after0, after1)  # replicated regions keep drawing the same numbers
+
+
+@pytest.mark.slow
+def test_dp2_x_pp2_x_sp2_on_eight_ranks():
+    def make():
+        return PipelineParallelStrategy(
+            data_parallel_size=2, pipeline_parallel_size=2, sequence_parallel_size=2, num_microbatches=2
+        )
+
+    assert_parity("llama", make, 8, data_parallel_size=2, gradient_clip_val=0.05)
