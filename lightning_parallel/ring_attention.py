@@ -8,6 +8,9 @@ steps with the kernel's backward, given the *final* output and log-sum-exp (Flas
 recurrence, so each pair's gradient is exact); the k/v gradients travel with their k/v and arrive home
 after sp shifts.
 
+An explicit additive mask (in the original token order) is sliced per pair: rows of the q chunk, columns
+of the kv chunk (zig-zag chunks are contiguous ranges of the original sequence); no pair is skipped then.
+
 Being one operator (``lightning_parallel::ring_attention``), activation recomputation keeps its output
 instead of running the ring again (``recompute.communication_ops``). ``WORK`` counts the unmasked
 attention scores each process computed (a load-balance measurement).
@@ -38,9 +41,17 @@ def _pairs(rank: int, source: int, sp: int, causal: bool) -> list[tuple[int, int
     ]
 
 
+def _mask(mask: Tensor | None, rank: int, source: int, sp: int, i: int, j: int, c: int) -> Tensor | None:
+    """The additive mask of q half ``i`` (of ``rank``) against kv half ``j`` (of ``source``)."""
+    if mask is None:
+        return None
+    qc, kc = (rank, 2 * sp - 1 - rank)[i], (source, 2 * sp - 1 - source)[j]
+    return mask[..., qc * c : (qc + 1) * c, kc * c : (kc + 1) * c].contiguous()
+
+
 @torch.library.custom_op("lightning_parallel::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """(B, H, 2c, d) local zig-zag queries/keys/values (equal head counts) -> (output, log-sum-exp)."""
     group = _collectives.resolve_group(group_name)
@@ -51,8 +62,10 @@ def ring_attention(
     c = qs[0].shape[2]
     for step in range(sp):
         ks, vs = k.chunk(2, dim=2), v.chunk(2, dim=2)
-        for i, j, diagonal in _pairs(rank, (rank - step) % sp, sp, causal):
-            o, lse = _flash(qs[i], ks[j], vs[j], 0.0, diagonal, scale=scale)
+        source = (rank - step) % sp
+        for i, j, diagonal in _pairs(rank, source, sp, causal):
+            pair_mask = _mask(mask, rank, source, sp, i, j, c)
+            o, lse = _flash(qs[i], ks[j], vs[j], 0.0, diagonal, attn_mask=pair_mask, scale=scale)
             WORK[group_name] += c * (c + 1) / 2 if diagonal else c * c
             if outs[i] is None:
                 outs[i], lses[i] = o, lse
@@ -66,15 +79,17 @@ def ring_attention(
 
 
 @ring_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _(
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:-1])
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, group_name, causal, scale = inputs
+    q, k, v, group_name, causal, scale, mask = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.group_name, ctx.causal, ctx.scale = group_name, causal, scale
+    ctx.group_name, ctx.causal, ctx.scale, ctx.mask = group_name, causal, scale, mask
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyped-def]
@@ -87,20 +102,21 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyp
     for step in range(sp):
         ks, vs = k.chunk(2, dim=2), v.chunk(2, dim=2)
         dks, dvs = dk.chunk(2, dim=2), dv.chunk(2, dim=2)  # views: accumulate in place
-        for i, j, diagonal in _pairs(rank, (rank - step) % sp, sp, ctx.causal):
+        source = (rank - step) % sp
+        for i, j, diagonal in _pairs(rank, source, sp, ctx.causal):
+            pair_mask = _mask(ctx.mask, rank, source, sp, i, j, qs[i].shape[2])
             gq, gk, gv = _flash_backward(
-                gos[i].contiguous(), qs[i], ks[j], vs[j], os_[i], ls[i], 0.0, diagonal, scale=ctx.scale
-            )
+                gos[i].contiguous(), qs[i], ks[j], vs[j], os_[i], ls[i], 0.0, diagonal, attn_mask=pair_mask,
+                scale=ctx.scale,
+            )  # fmt: skip
             dq[i] += gq
             dks[j].add_(gk)
             dvs[j].add_(gv)
         if step < sp - 1:
             k, v = _collectives.ring_shift(k, group), _collectives.ring_shift(v, group)
-        dk, dv = (
-            _collectives.ring_shift(dk, group),
-            _collectives.ring_shift(dv, group),
-        )  # travel with k/v, home at the end
-    return torch.cat(dq, dim=2), dk, dv, None, None, None
+        # the k/v gradients travel with their k/v and are home after sp shifts
+        dk, dv = _collectives.ring_shift(dk, group), _collectives.ring_shift(dv, group)
+    return torch.cat(dq, dim=2), dk, dv, None, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup_context)

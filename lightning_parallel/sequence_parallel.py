@@ -20,8 +20,8 @@ Ring mode replaces step 3: the sequence is cut into 2·sp chunks and rank r hold
 (zig-zag), the same permutation applied to the hidden state on entry (and undone on exit) and to the
 rotary positions, so every rank does the same causal work; ``lightning_parallel.ring_attention`` passes
 k and v around the ring (fused flash kernel per chunk pair, merged by log-sum-exp; one custom op, so
-recomputation keeps its output). Masks other than causal/none and attention dropout are refused in
-ring mode.
+recomputation keeps its output; an explicit mask is sliced per chunk pair). Attention dropout is
+refused in ring mode.
 
 Parameters inside the blocks see 1/sp of the tokens on each rank: their gradients are summed over the
 sp group (``SequenceParallelLayout.partial``). The adapter is verified against the block's own forward
@@ -132,16 +132,20 @@ class _SequenceParallelForward:
 
     def _ring(self, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict, rank: int, group: Any) -> Tensor:
         causal, scale, dropout, mask = self.adapter.attention_info(self.block, args, kwargs)
-        if mask is not None or dropout:
+        if dropout:
             raise ValueError(
-                f"sequence_parallel_mode='ring' supports causal or unmasked attention without dropout; this call of"
-                f" {type(self.block).__name__} passes {'a mask' if mask is not None else f'dropout={dropout}'};"
-                " use sequence_parallel_mode='ulysses'"
+                f"sequence_parallel_mode='ring' does not run attention dropout; {type(self.block).__name__} uses"
+                f" dropout={dropout}: use sequence_parallel_mode='ulysses' or set the attention dropout to 0"
             )
+        if mask is not None:  # additive, in q's dtype, over the whole sequence in its original order
+            if mask.dtype == torch.bool:
+                fill = torch.finfo(q.dtype).min
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, fill)
+            mask, causal = mask.to(q.dtype), False
         if k.shape[1] != q.shape[1]:  # grouped-query attention: every query head gets its kv head
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         scale = scale if scale is not None else q.shape[-1] ** -0.5
-        out, _ = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group.group_name, causal, scale)
+        out, _ = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), group.group_name, causal, scale, mask)
         return out
 
 

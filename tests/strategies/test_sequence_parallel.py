@@ -268,3 +268,55 @@ def test_dp2_x_pp2_x_sp2_on_eight_ranks():
         )
 
     assert_parity("llama", make, 8, data_parallel_size=2, gradient_clip_val=0.05)
+
+
+def _masked_gpt2_block(rank, world_size, mode):
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from lightning_parallel.adapters import find_adapter
+    from lightning_parallel.sequence_parallel import parallelize_sequence
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, _attn_implementation="sdpa")
+    block = GPT2Block(config).double()
+    T = 16
+    x = torch.randn(2, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    lowest = torch.finfo(torch.float64).min
+    mask = torch.full((T, T), lowest, dtype=torch.float64).triu(1).expand(2, 1, T, T).clone()
+    mask[1, ..., T - 3 :] = lowest  # padding: the second sequence's last three keys
+    ref_block = copy.deepcopy(block)
+    x_ref = x.clone().requires_grad_()
+    ref = ref_block(x_ref, attention_mask=mask)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    ref.square().sum().backward()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
+    parallelize_sequence([block], find_adapter(block), mesh, mode)
+    xs = x.clone().requires_grad_()
+    out = block(xs, attention_mask=mask)
+    out = out[0] if isinstance(out, tuple) else out
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)  # block parameters saw half the tokens each
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(xs.grad, x_ref.grad, rtol=1e-9, atol=1e-10)
+    for n, p in ref_block.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-9, atol=1e-10, msg=n)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_an_explicit_padding_mask_is_honoured(mode):
+    pytest.importorskip("transformers")
+    run_distributed(_masked_gpt2_block, 2, mode)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+@pytest.mark.parametrize("model", ["hf-llama", "hf-gpt2"])
+def test_hugging_face_models_train_under_sequence_parallelism(model, mode):
+    pytest.importorskip("transformers")
+    assert_parity(model, _sp(sequence_parallel_mode=mode), 2, data_parallel_size=1)
