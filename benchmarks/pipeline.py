@@ -34,6 +34,7 @@ import time
 import weakref
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -306,13 +307,8 @@ def collect(procs: list, out: mp.SimpleQueue) -> dict:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--m", type=int, nargs="+", default=[8], help="micro-batches (= sequences per batch)")
-    parser.add_argument("--configs", choices=sorted(CONFIGS), default="issue3")
-    parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
+def run_two(worker: Any, args: argparse.Namespace) -> dict:
+    """Run ``worker(rank, port, args, queue)`` in 2 spawned processes; return ``{rank: result}``."""
     import socket
 
     with socket.socket() as s:
@@ -323,7 +319,17 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = collect(procs, out)
+    return collect(procs, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--m", type=int, nargs="+", default=[8], help="micro-batches (= sequences per batch)")
+    parser.add_argument("--configs", choices=sorted(CONFIGS), default="issue3")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    results = run_two(worker, args)
     print(f"torch {torch.__version__}, 2 processes x 1 thread, medians of {args.reps} interleaved rounds\n")
     columns = ["T", "m", "configuration", "step s (median)", "tokens/s", "vs single 1t", "vs torch 1F1B", "vs ours 1F1B",
                "bubble s0 / s1", "params MiB s0 / s1", "peak live MiB s0 / s1"]  # fmt: skip

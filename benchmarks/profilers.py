@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.pipeline import collect  # noqa: E402
+from benchmarks.pipeline import run_two  # noqa: E402
 from examples.models import GPT  # noqa: E402
 from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy  # noqa: E402
 from lightning_parallel.callbacks import BubbleProfiler, MemoryProfiler  # noqa: E402
@@ -99,15 +98,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--strategies", nargs="+", default=["1f1b", "helix"], choices=["1f1b", "helix"])
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = collect(procs, out)
+    results = run_two(worker, args)
     print(f"torch {torch.__version__}, 2 processes x 1 thread, T={args.seq_len}, m={args.m}, "
           f"{args.reps} x (fit without, fit with) of {args.steps} steps, first step of each fit dropped\n")  # fmt: skip
     print("| strategy | step s without | step s with | with / without | self-time per step (worst rank) |"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.pipeline import batch, collect, make_model  # noqa: E402
+from benchmarks.pipeline import batch, make_model, run_two  # noqa: E402
 from lightning_parallel.adapters import find_adapter  # noqa: E402
 from lightning_parallel.pipeline.trunk import discover_trunk  # noqa: E402
 from lightning_parallel.tensor_parallel import local, parallelize_blocks  # noqa: E402
@@ -97,15 +96,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = collect(procs, out)
+    results = run_two(worker, args)
     print(f"torch {torch.__version__}, example GPT H=128 x 8 blocks, batch {args.batch}, forward+backward+SGD,"
           f" medians of {args.reps} interleaved rounds\n")  # fmt: skip
     print("| T | configuration | step s | tokens/s | vs single 1t | vs single 2t | block parameter MiB per rank |")

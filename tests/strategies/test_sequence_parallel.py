@@ -9,6 +9,7 @@ import torch
 from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import RankFailed, run_distributed
 from tests.helpers.parity import assert_parity
+from tests.helpers.trainers import quick_fit
 
 
 def _sp(**kwargs):
@@ -43,7 +44,6 @@ def test_recomputation_of_sequence_parallel_blocks(policy, mode):
 
 
 def _norm_lengths(rank, world_size, model):
-    import lightning as L
 
     from lightning_parallel.pipeline.trunk import discover_trunk
     from tests.helpers.parity import build
@@ -53,10 +53,7 @@ def _norm_lengths(rank, world_size, model):
     norm = next(m for n, m in block.named_modules() if "norm" in type(m).__name__.lower())
     seen = []
     norm.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_sp()(), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    quick_fit(module, data, _sp()(), 2, steps=1)
     return seen
 
 
@@ -68,14 +65,10 @@ def test_blocks_run_on_half_the_sequence():
 
 
 def _fit(rank, world_size, make_module, strategy_kwargs):
-    import lightning as L
 
     module, data = make_module()
     strategy = HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, **strategy_kwargs)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    quick_fit(module, data, strategy, 2, steps=1)
 
 
 def _llama(seq_len=16, **kwargs):
@@ -167,19 +160,13 @@ def test_ring_sp4_matches_one_device():
 
 
 def _ring_work(rank, world_size):
-    import lightning as L
-
+    from lightning_parallel.ring_attention import WORK
     from tests.helpers.parity import build
 
     module, data = build("llama", 8, "sgd")
     strategy = HybridParallelStrategy(sequence_parallel_size=4, sequence_parallel_mode="ring")
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
-    from lightning_parallel.ring_attention import WORK
-
     WORK.clear()
-    trainer.fit(module, datamodule=data)
+    quick_fit(module, data, strategy, 4, steps=2)
     return sum(WORK.values())
 
 
@@ -206,10 +193,7 @@ def _collective_calls(rank, world_size, mode, policy):
     module, data = build("llama", 8, "sgd")
     counter = Count()
     strategy = _sp(sequence_parallel_mode=mode, recompute=policy)()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[counter])  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    quick_fit(module, data, strategy, 2, steps=2, callbacks=[counter])
     counts = counter.tracker.counts  # every op the step dispatched, backward included
     return {str(op): n for op, n in counts.items() if any(k in str(op) for k in ("all_to_all", "alltoall", "ring"))}
 

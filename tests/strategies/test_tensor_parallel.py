@@ -9,6 +9,7 @@ import torch
 from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import RankFailed, run_distributed
 from tests.helpers.parity import assert_parity, build
+from tests.helpers.trainers import quick_fit
 
 
 def _tp(**kwargs):
@@ -21,7 +22,6 @@ def test_tp2_matches_one_device_with_clipping(model):
 
 
 def _block_bytes(rank, world_size, model, tp, pp=1):
-    import lightning as L
     from torch.distributed.tensor import DTensor
 
     from lightning_parallel.pipeline.trunk import discover_trunk
@@ -33,10 +33,7 @@ def _block_bytes(rank, world_size, model, tp, pp=1):
         if pp > 1
         else HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=tp)
     )
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    quick_fit(module, data, strategy, world_size, steps=1)
     trunk = discover_trunk(module)
     local, whole, sharded, norms = 0, 0, 0, 0
     for i, block in enumerate(trunk.blocks):
@@ -133,17 +130,13 @@ class _Broken:
 
 
 def _fit(rank, world_size, model_fn, strategy_kwargs):
-    import lightning as L
 
     from lightning_parallel.adapters import ADAPTERS
 
     ADAPTERS["broken"] = _Broken()
     module, data = model_fn()
     strategy = HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, **strategy_kwargs)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    quick_fit(module, data, strategy, 2, steps=1)
 
 
 def _gpt(**kwargs):
@@ -193,7 +186,6 @@ def test_helix_refuses_tensor_parallelism():
 
 
 def _norm_input_lengths(rank, world_size, model):
-    import lightning as L
 
     from lightning_parallel.pipeline.trunk import discover_trunk
 
@@ -203,10 +195,7 @@ def _norm_input_lengths(rank, world_size, model):
     seen = []
     norm.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
     strategy = HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, tp_sequence_parallel=True)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    quick_fit(module, data, strategy, 2, steps=1)
     return seen
 
 
