@@ -132,6 +132,11 @@ class _SequenceParallelForward:
 
     def _ring(self, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict, rank: int, group: Any) -> Tensor:
         causal, scale, dropout, mask = self.adapter.attention_info(self.block, args, kwargs)
+        if q.device.type != "cpu":
+            raise NotImplementedError(
+                f"sequence_parallel_mode='ring' runs torch's CPU flash-attention kernel per chunk pair; on"
+                f" {q.device.type} use sequence_parallel_mode='ulysses' (a CUDA ring kernel is not written yet)"
+            )
         if dropout:
             raise ValueError(
                 f"sequence_parallel_mode='ring' does not run attention dropout; {type(self.block).__name__} uses"
