@@ -275,10 +275,15 @@ def theory(name: str, m: int, everyone: list, rank: int) -> float:
     return sim.bubble(rank)
 
 
-def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
+def init_worker(rank: int, port: int, minutes: int = 10) -> None:
+    """One thread, and the 2-process gloo group ``run_two`` set up the port for."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=10))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=minutes))
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
+    init_worker(rank, port)
     rows = []
     for seq_len in args.seq_lens:
         for m in args.m:

@@ -12,11 +12,9 @@ alternate the configurations after a warm-up round; medians.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.pipeline import batch, make_model, run_two  # noqa: E402
+from benchmarks.pipeline import batch, init_worker, make_model, run_two  # noqa: E402
 from lightning_parallel.adapters import find_adapter  # noqa: E402
 from lightning_parallel.pipeline.trunk import discover_trunk  # noqa: E402
 from lightning_parallel.tensor_parallel import local, parallelize_blocks  # noqa: E402
@@ -56,9 +54,7 @@ class Config:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=10))
+    init_worker(rank, port)
     rows = []
     for seq_len in args.seq_lens:
         configs = {

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_parallel import _collectives
-from lightning_parallel.adapters import BlockAdapter, verify_adapter
+from lightning_parallel.adapters import BlockAdapter, verify_on_first_call
 from lightning_parallel.ring_attention import ring_attention
 
 MODES = ("ulysses", "ring")
@@ -81,7 +81,7 @@ def parallelize_sequence(
         reference = copy.deepcopy(block) if i == 0 and tp == 1 else None
         block.forward = _SequenceParallelForward(block, adapter, mesh, reference, mode)
         if reference is not None:  # verified once, on the first real input, outside any recomputation
-            block.register_forward_pre_hook(_verify_once, with_kwargs=True)
+            block.register_forward_pre_hook(verify_on_first_call, with_kwargs=True)
         layout.partial += list(block.parameters())
     return layout
 
@@ -178,13 +178,3 @@ def _sequence_to_heads(t: Tensor, sp: int, group: Any) -> Tensor:
     blocks = t.view(B, h, sp, T // sp, d).permute(2, 1, 0, 3, 4)  # (sp, h, B, Tl, d): token blocks to ranks
     out = _collectives.all_to_all_autograd(blocks, group)  # (sp, h, B, Tl, d): source rank's heads
     return out.reshape(sp * h, B, T // sp, d).permute(1, 0, 2, 3)
-
-
-def _verify_once(block: nn.Module, args: tuple, kwargs: dict) -> None:
-    forward = block.__dict__.get("_lp_original_forward") or block.__dict__.get("forward")
-    reference = getattr(forward, "reference", None)
-    if reference is None or not args or not isinstance(args[0], Tensor):
-        return
-    forward.reference = None
-    with torch.enable_grad():
-        verify_adapter(forward.adapter, reference, args[0].detach(), args[1:], kwargs)

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_parallel.adapters import BlockAdapter, split_forward, verify_adapter
+from lightning_parallel.adapters import BlockAdapter, split_forward, verify_on_first_call
 
 STYLES = ("colwise", "rowwise", "colwise_qkv")
 
@@ -255,7 +255,7 @@ class _TensorParallelForward:
     def install(cls, block: nn.Module, adapter: BlockAdapter, verify: bool, sequence_parallel: bool) -> None:
         block.forward = cls(block, adapter, copy.deepcopy(block) if verify else None, sequence_parallel)
         if verify:  # a pre-hook runs outside any recomputation, and only once per call
-            block.register_forward_pre_hook(_verify_once, with_kwargs=True)
+            block.register_forward_pre_hook(verify_on_first_call, with_kwargs=True)
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
         if not self.sequence_parallel:
@@ -275,16 +275,6 @@ class _TensorParallelForward:
 
 def _mesh_of(block: nn.Module) -> DeviceMesh:
     return next(p for p in block.parameters() if isinstance(p.data, DTensor)).device_mesh
-
-
-def _verify_once(block: nn.Module, args: tuple, kwargs: dict) -> None:
-    forward = block.__dict__.get("_lp_original_forward") or block.__dict__.get("forward")
-    reference = getattr(forward, "reference", None)
-    if reference is None or not args or not isinstance(args[0], Tensor):
-        return
-    forward.reference = None  # verified once, on the first real input; the copy is dropped
-    with torch.enable_grad():
-        verify_adapter(forward.adapter, reference, args[0].detach(), args[1:], kwargs)
 
 
 def local(t: Tensor) -> Tensor:

@@ -137,4 +137,26 @@ def verify_adapter(
         )
 
 
-__all__ = ["ADAPTERS", "BlockAdapter", "find_adapter", "pre_parameters", "split_forward", "verify_adapter"]
+def verify_on_first_call(block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook for a block whose forward was replaced by an object holding ``adapter`` and an
+    unsharded ``reference`` copy: on the first call with a tensor input, verify the adapter against the
+    copy, then drop it. A pre-hook runs outside any recomputation, so checkpointed regions replay the
+    same ops."""
+    forward = block.__dict__.get("_lp_original_forward") or block.__dict__.get("forward")
+    reference = getattr(forward, "reference", None)
+    if reference is None or not args or not isinstance(args[0], Tensor):
+        return
+    forward.reference = None
+    with torch.enable_grad():
+        verify_adapter(forward.adapter, reference, args[0].detach(), args[1:], kwargs)
+
+
+__all__ = [
+    "ADAPTERS",
+    "BlockAdapter",
+    "find_adapter",
+    "pre_parameters",
+    "split_forward",
+    "verify_adapter",
+    "verify_on_first_call",
+]

@@ -36,6 +36,14 @@ class Trunk:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def materialised(self) -> list[tuple[str, nn.Module]]:
+        """``(full name prefix, block)`` of the blocks this rank holds (a pipeline frees the others to meta)."""
+        return [
+            (f"{self.path}.{name}.", block)
+            for name, block in self.container.named_children()
+            if not any(p.is_meta for p in block.parameters())
+        ]
+
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

@@ -35,7 +35,7 @@ class SequenceParallelMixin:
             return
         trunk = discover_trunk(module, self._trunk_path)
         adapter = find_adapter(trunk.blocks[0], self._adapter_arg)
-        local = [b for b in trunk.blocks if not any(p.is_meta for p in b.parameters())]
+        local = [block for _, block in trunk.materialised()]
         mesh = self.device_mesh[SP]  # type: ignore[attr-defined]
         self._sp_layout = parallelize_sequence(local, adapter, mesh, self._sp_mode, dims.tp)
 

@@ -42,11 +42,7 @@ class TensorParallelMixin:
             if self._adapter_arg is not None:
                 raise
             adapter = None  # an unknown family: only a user's tp_plan (and its own forward) can shard it
-        blocks = [
-            (f"{trunk.path}.{name}.", block)
-            for name, block in trunk.container.named_children()
-            if not any(p.is_meta for p in block.parameters())
-        ]
+        blocks = trunk.materialised()
         mesh = self.device_mesh[TP]  # type: ignore[attr-defined]
         self._tp_layout = parallelize_blocks(blocks, adapter, mesh, self._tp_plan, self._tp_sequence_parallel)
 
