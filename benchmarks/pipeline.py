@@ -45,15 +45,17 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT  # noqa: E402
-from lightning_parallel.adapters import find_adapter  # noqa: E402
+from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy  # noqa: E402
+from lightning_parallel.blocks import BlockConfig  # noqa: E402
 from lightning_parallel.callbacks.timeline import analyze, mean_costs  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # noqa: E402
+from lightning_parallel.pipeline.placement import place_blocks  # noqa: E402
 from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from lightning_parallel.pipeline.schedules import build_schedule, simulate  # noqa: E402
-from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks  # noqa: E402
 from lightning_parallel.recompute import apply_recompute  # noqa: E402
+from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_bytes  # noqa: E402
 
 VOCAB, H, LAYERS, HEADS = 65, 128, 8, 4
 
@@ -144,16 +146,16 @@ class Ours:
 class OursHelix(Ours):
     def __init__(self, seq_len: int, m: int, rank: int, recompute: bool) -> None:
         self.model = make_model(seq_len)
-        if recompute:
-            apply_recompute(self.model, "none", mlp_chunks=2)  # helix's default MLP chunking
         trunk = discover_trunk(self.model)
-        adapter = find_adapter(trunk.blocks[0])
-        place_parameters(trunk, adapter, rank, 2)
+        anatomy = AdapterAnatomy(ADAPTERS["nanogpt"])
+        config = BlockConfig(mlp_chunks=2 if recompute else 1)  # helix's default MLP chunking
+        splits = [anatomy.helix_split(block, config) for block in trunk.blocks]
+        place_parameters(trunk, splits, rank, 2)
         folds = 2 if m % 4 == 0 else 1
         self.runtime = HelixRuntime(
-            trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"),
-            adapter=adapter, folds=folds, recompute=recompute,
-        )  # fmt: skip
+            trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"), folds=folds, recompute=recompute
+        )
+        self.runtime.splits = splits
         self.actions = helix(2, len(trunk), m, folds)[rank]
         x, y = batch(seq_len, m)
         self.micro = [(x[i : i + 1], y[i : i + 1]) for i in range(m)]

@@ -64,6 +64,7 @@ def main() -> None:
                 apply_recompute(holder, policy, every_n=1, mlp_chunks=chunks)
                 block = holder.blocks[0]
                 x = torch.randn(1, seq_len, H, requires_grad=True)
+                call(block, x)  # the first call composes the block (and verifies the MLP it chunks)
                 kept, out = kept_for_backward(lambda c=call, b=block, x=x: c(b, x))
                 del out
                 with LiveTensorTracker() as tracker:

@@ -2,7 +2,7 @@
 
 The pipeline benchmark's model (example GPT, H=128, 8 blocks, 4 heads), one sequence of ``--seq-len``
 tokens, forward + backward + SGD step. ``sp=2``: 2 processes x 1 thread, every block made sequence-parallel
-by ``lightning_parallel.sequence_parallel.parallelize_sequence`` (what ``sequence_parallel_size=2`` runs),
+by ``lightning_parallel.blocks.parallelize`` (what ``sequence_parallel_size=2`` runs),
 in Ulysses and in ring mode; single: one process with 1 and with 2 threads (run on one of the two
 processes while the other waits). "saved MiB" = bytes allocated by the trunk's forward and still alive
 when it returns (``memory.kept_for_backward``, output included), per rank. Rounds alternate the
@@ -26,10 +26,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pipeline import batch, init_worker, make_model, run_two  # noqa: E402
-from lightning_parallel.adapters import find_adapter  # noqa: E402
+from lightning_parallel.blocks import BlockConfig, parallelize  # noqa: E402
 from lightning_parallel.memory import kept_for_backward  # noqa: E402
-from lightning_parallel.pipeline.trunk import discover_trunk  # noqa: E402
-from lightning_parallel.sequence_parallel import parallelize_sequence  # noqa: E402
 
 
 class Config:
@@ -39,8 +37,8 @@ class Config:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
-            trunk = discover_trunk(self.model)
-            parallelize_sequence(trunk.blocks, find_adapter(trunk.blocks[0]), mesh, mode)
+            parallelize(self.model, BlockConfig(sp_mesh=mesh, sp_mode=mode))
+            self.model._loss(self.data)  # the blocks' first call verifies their stack
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
 
     def step(self) -> None:

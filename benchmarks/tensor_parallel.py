@@ -2,8 +2,8 @@
 
 The pipeline benchmark's model (example GPT, H=128, 8 blocks, 4 heads), one batch of ``--batch``
 sequences of ``--seq-len`` tokens, forward + backward + SGD step. ``tp=2``: 2 processes x 1 thread, the
-blocks sharded by ``lightning_parallel.tensor_parallel.parallelize_blocks`` (as ``tensor_parallel_size=2``
-does; optionally with sequence parallelism); single: one process with 1 and with 2 threads. Rounds
+blocks composed by ``lightning_parallel.blocks.parallelize`` (what ``tensor_parallel_size=2`` runs;
+optionally with sequence parallelism); single: one process with 1 and with 2 threads. Rounds
 alternate the configurations after a warm-up round; medians.
 
     .venv/bin/python benchmarks/tensor_parallel.py --seq-lens 1024 2048 --reps 5
@@ -24,9 +24,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pipeline import batch, init_worker, make_model, run_two  # noqa: E402
-from lightning_parallel.adapters import find_adapter  # noqa: E402
-from lightning_parallel.pipeline.trunk import discover_trunk  # noqa: E402
-from lightning_parallel.tensor_parallel import local, parallelize_blocks  # noqa: E402
+from lightning_parallel.blocks import BlockConfig, parallelize  # noqa: E402
+from lightning_parallel.tensor_parallel import local  # noqa: E402
+from lightning_parallel.trunk import discover_trunk  # noqa: E402
 
 
 def block_bytes(model: torch.nn.Module) -> int:
@@ -41,9 +41,8 @@ class Config:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-            trunk = discover_trunk(self.model)
-            blocks = [(f"{trunk.path}.{i}.", b) for i, b in enumerate(trunk.blocks)]
-            parallelize_blocks(blocks, find_adapter(trunk.blocks[0]), mesh, sequence_parallel=sequence_parallel)
+            parallelize(self.model, BlockConfig(tp_mesh=mesh, tp_sequence_parallel=sequence_parallel))
+            self.model._loss(self.data)  # the blocks' first call verifies and shards them
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
 
     def step(self) -> None:

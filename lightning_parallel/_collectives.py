@@ -287,3 +287,45 @@ def group_rank(group: ProcessGroup) -> int:
 
 def group_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
+
+
+# ------------------------------------------------------------------ differentiable (tensor parallel)
+# Megatron-LM's f and g (Shoeybi et al., arXiv 1909.08053, §3), on functional collectives so that
+# selective recomputation recognises and keeps them.
+def _all_reduce(t: Tensor, group: ProcessGroup) -> Tensor:
+    import torch.distributed._functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_reduce(t.contiguous(), "sum", group))
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity in forward, all-reduce (sum) in backward: Megatron's f, before column-parallel work."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward: Megatron's g, after row-parallel work."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: ProcessGroup) -> Tensor:  # type: ignore[override]
+        return _all_reduce(t, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def copy_to_group(t: Tensor, group: ProcessGroup) -> Tensor:
+    return _CopyToGroup.apply(t, group)
+
+
+def reduce_from_group(t: Tensor, group: ProcessGroup) -> Tensor:
+    return _ReduceFromGroup.apply(t, group)

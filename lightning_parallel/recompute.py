@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_parallel.pipeline.trunk import discover_trunk
+from lightning_parallel.anatomy.base import ConfigurationError
 
 Policy = Literal["none", "full", "every_n", "selective", "no_attention"]
 POLICIES: tuple[str, ...] = ("none", "full", "every_n", "selective", "no_attention")
@@ -94,51 +94,37 @@ def apply_recompute(
     trunk: str | None = None,
     mlp_module: str | None = None,
     attention_kernels: tuple[str, ...] = (),
-    keep_communication: bool = False,
 ) -> nn.Module:
-    """Wrap each trunk block of ``module`` in the recomputation ``policy`` (and chunk its MLP); in place.
+    """Run each trunk block of ``module`` under the recomputation ``policy`` (and chunk its MLP); in place.
 
     ``attention_kernels`` names further ops (``"namespace::op"`` or ``"namespace::op.overload"``) that
-    ``no_attention`` and ``selective`` must keep, for blocks whose attention runs a custom kernel.
-    ``keep_communication`` (set by the strategies under tensor or sequence parallelism) makes every
-    policy keep the outputs of the blocks' collectives, so recomputation never runs them again.
-    Works without Lightning. Re-applying replaces the previous wrapping. Returns ``module``.
+    ``no_attention`` and ``selective`` must keep, for blocks whose attention runs a custom kernel. The
+    blocks get the block layer's runners (:mod:`lightning_parallel.blocks`); with ``mlp_chunks > 1`` the
+    MLP is found by the block's anatomy on the first call (and verified). Works without Lightning.
+    Re-applying replaces the previous wrapping. Returns ``module``.
     """
+    from lightning_parallel.blocks import BlockConfig, BlockLayer, uninstall_runners
+    from lightning_parallel.trunk import discover_trunk
+
     validate(policy, every_n, mlp_chunks)
-    extra = {_resolve_op(name) for name in attention_kernels}
-    for j, block in enumerate(discover_trunk(module, trunk).blocks):
-        _restore(block)
-        if mlp_chunks > 1:
-            _chunk_mlp(block, mlp_chunks, mlp_module)
-        if policy == "none" or (policy == "every_n" and j % every_n):
-            continue
-        block._lp_original_forward = block.__dict__.get("forward")
-        block.forward = _Recomputed(block, "full" if policy == "every_n" else policy, extra, keep_communication)
+    extra = tuple(attention_kernels)
+    for name in extra:
+        resolve_op(name)  # fail now, not at the first step
+    found = discover_trunk(module, trunk)
+    uninstall_runners(found.blocks)
+    config = BlockConfig(recompute=policy, every_n=every_n, mlp_chunks=mlp_chunks, mlp_module=mlp_module,
+                         attention_kernels=extra)  # fmt: skip
+    BlockLayer(found, config).install(enumerate(found.blocks))
     return module
 
 
-def _restore(block: nn.Module) -> None:
-    if hasattr(block, "_lp_original_forward"):
-        previous = block.__dict__.pop("_lp_original_forward")
-        if previous is None:
-            block.__dict__.pop("forward", None)
-        else:
-            block.forward = previous
-    for owner, name in block.__dict__.pop("_lp_chunked", []):
-        owner.__dict__.pop(name, None)
+class Recomputed:
+    """A block's stack run under ``torch.utils.checkpoint`` (non-reentrant) with the policy's selective
+    contexts. It holds no module (the stack gets the block at each call), so copies of a block share it."""
 
-
-class _Recomputed:
-    """A block forward run under ``torch.utils.checkpoint`` with the policy's selective contexts.
-
-    It holds the block itself (not a bound method), so a ``copy.deepcopy`` of the block gets a wrapper
-    that runs the copy."""
-
-    def __init__(
-        self, block: nn.Module, policy: str, extra: set[Any] = frozenset(), keep_communication: bool = False
-    ) -> None:
-        self.block, self.policy, self.block_name = block, policy, type(block).__name__
-        self._inner = block.__dict__.get("_lp_original_forward")  # an instance forward that was there before
+    def __init__(self, inner: Any, policy: str, block_name: str, extra: frozenset = frozenset(),
+                 keep_communication: bool = False) -> None:  # fmt: skip
+        self.inner, self.policy, self.block_name = inner, policy, block_name
         self._communication = communication_ops() if keep_communication else set()
         self._attention = attention_ops()
         self.keep = set(self._communication)  # "full" with communication: recompute everything else
@@ -149,22 +135,20 @@ class _Recomputed:
         self._checked = policy != "no_attention"
         self._saw_attention = False
 
+    def __deepcopy__(self, memo: dict) -> Recomputed:
+        return self
+
     def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op in self.keep:
             self._saw_attention = self._saw_attention or op not in self._communication or op in self._attention
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._inner is not None:
-            return self._inner(*args, **kwargs)
-        return type(self.block).forward(self.block, *args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         if self.policy == "full" and not self._communication:
-            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(self.inner, block, x, args, kwargs, use_reentrant=False)
         context = functools.partial(create_selective_checkpoint_contexts, self._policy)
-        out = checkpoint(self.forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+        out = checkpoint(self.inner, block, x, args, kwargs, use_reentrant=False, context_fn=context)
         if not self._checked and torch.is_grad_enabled():
             self._checked = True
             if not self._saw_attention:
@@ -177,7 +161,7 @@ class _Recomputed:
         return out
 
 
-def _resolve_op(name: str) -> Any:
+def resolve_op(name: str) -> Any:
     """``"aten::bmm"`` / ``"mylib::attn.default"`` -> the op overload (``.default`` when none is given)."""
     namespace, _, rest = name.partition("::")
     op_name, _, overload = rest.partition(".")
@@ -189,49 +173,42 @@ def _resolve_op(name: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------- chunked MLP
-_MLP_NAMES = ("mlp", "feed_forward", "ffn", "ff")
+def chunk_mlp(owner: nn.Module, name: str, chunks: int, dim: int, block_name: str) -> None:
+    """Run ``owner.<name>`` (the block's token-wise MLP, as the block's anatomy locates it) over ``chunks``
+    slices of the sequence: an instance attribute, removed by :func:`unchunk_mlps`."""
+    setattr(owner, name, ChunkedMLP(owner, name, chunks, dim, block_name))
 
 
-def _chunk_mlp(block: nn.Module, chunks: int, mlp_module: str | None) -> None:
-    owner, name, dim = _locate_mlp(block, chunks, mlp_module)
-    setattr(owner, name, _ChunkedMLP(owner, name, chunks, dim, type(block).__name__))
-    block.__dict__.setdefault("_lp_chunked", []).append((owner, name))
+def unchunk_mlps(block: nn.Module) -> None:
+    for module in block.modules():
+        for name, value in list(module.__dict__.items()):
+            if isinstance(value, ChunkedMLP):
+                del module.__dict__[name]
 
 
-class _ChunkedMLP:
+class ChunkedMLP:
     """``owner.<name>`` run over ``chunks`` slices of the sequence; holds ``owner`` itself so that a deep
     copy of the block runs the copy's MLP."""
 
     def __init__(self, owner: nn.Module, name: str, chunks: int, dim: int, block_name: str) -> None:
         self.owner, self.name, self.chunks, self.dim, self.block_name = owner, name, chunks, dim, block_name
 
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
         length = x.shape[self.dim]
         if self.chunks > length:
-            raise ValueError(
+            raise ConfigurationError(
                 f"mlp_chunks={self.chunks} is larger than the sequence: the MLP input {tuple(x.shape)} of"
                 f" {self.block_name} has {length} tokens along dim {self.dim}"
             )
         original = getattr(type(self.owner), self.name)
         # contiguous: a slice along the sequence of a (B, T, H) batch is not, and some MLPs .view() their input
         parts = [part.contiguous() for part in torch.tensor_split(x, self.chunks, dim=self.dim)]
-        return torch.cat([original(self.owner, part, *args, **kwargs) for part in parts], dim=self.dim)
-
-
-def _locate_mlp(block: nn.Module, chunks: int, mlp_module: str | None) -> tuple[nn.Module, str, int]:
-    """(object, attribute of the callable to chunk, sequence dim of its input)."""
-    if mlp_module is not None:
-        try:
-            return block.get_submodule(mlp_module), "forward", -2
-        except AttributeError:
-            raise ValueError(f"mlp_module={mlp_module!r}: {type(block).__name__} has no such submodule") from None
-    if isinstance(block, nn.TransformerEncoderLayer):
-        return block, "_ff_block", 1 if block.self_attn.batch_first else 0
-    for name in _MLP_NAMES:
-        child = getattr(block, name, None)
-        if isinstance(child, nn.Module):
-            return child, "forward", -2
-    raise ValueError(
-        f"mlp_chunks={chunks}: cannot locate the MLP of {type(block).__name__} (looked for a child named"
-        f" {', '.join(_MLP_NAMES)} and for nn.TransformerEncoderLayer); name it with mlp_module='path.in.block'"
-    )
+        outs = [original(self.owner, part, *args, **kwargs) for part in parts]
+        if isinstance(outs[0], Tensor):
+            return torch.cat(outs, dim=self.dim)
+        if isinstance(outs[0], (tuple, list)) and all(e is None for o in outs for e in o[1:]):  # (hidden, None)
+            return type(outs[0])([torch.cat([o[0] for o in outs], dim=self.dim), *outs[0][1:]])
+        raise ValueError(
+            f"mlp_chunks={self.chunks}: the MLP of {self.block_name} returns {type(outs[0]).__name__}; chunking"
+            " needs a tensor (or a tuple whose other elements do not depend on the tokens)"
+        )

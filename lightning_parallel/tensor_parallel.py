@@ -1,23 +1,23 @@
 """Tensor parallelism for unchanged blocks (Megatron-LM, Shoeybi et al., arXiv 1909.08053), on DTensor.
 
-Per block of the trunk, with the block family's adapter (``lightning_parallel.adapters``):
+Per block of the trunk, with the block's anatomy (:mod:`lightning_parallel.anatomy`):
 
-- **Plan**: the adapter names the projections: q, k, v (or the fused q|k|v) and MLP-in column-wise,
+- **Plan**: the anatomy names the projections: q, k, v (or the fused q|k|v) and MLP-in column-wise,
   the attention output and MLP-out row-wise. A user plan (``{"glob over names in a block": style}``)
   replaces it. ``torch.distributed.tensor.parallel.parallelize_module`` applies ``ColwiseParallel`` /
   ``RowwiseParallel`` to ``nn.Linear``; Hugging Face's ``Conv1D`` (its weight is stored transposed,
-  which DTensor's styles refuse, review [E19]) gets the same styles through subclasses that shard the
+  which DTensor's styles refuse) gets the same styles through subclasses that shard the
   other dimension; a bare fused parameter (``nn.MultiheadAttention.in_proj_weight``) is distributed
   directly.
 - **Fused q|k|v** (``"colwise_qkv"``): the output rows are first permuted to a head-aligned order,
   ``[q_r | k_r | v_r]`` for rank r, so that a plain ``Shard(0)`` gives every rank whole heads of all
   three. DCP cannot store DTensor's ``_StridedShard`` (measured: "overlapping chunks"), so checkpoints
-  hold the original order: ``TensorParallelLayout.to_full`` undoes the permutation, ``shard`` applies it
-  (review M8).
-- **Forward**: the block's forward becomes the adapter's ``post(attention(pre(x)))``, written without
-  global head counts, so it runs on shards (nanoGPT's own forward derives shapes from the input width
-  and cannot, review [E11]). The adapter is verified against the block's own forward on the first real
-  call (an unsharded float64 copy, outputs and every gradient; fail closed).
+  hold the original order: ``TensorParallelLayout.to_full`` undoes the permutation, ``shard`` applies it.
+- **Forward**: which code runs on the shards is the block anatomy's choice (:mod:`lightning_parallel.anatomy`):
+  a hand-written adapter's shape-agnostic split forward, the block's own forward where it is
+  shape-agnostic (Hugging Face families with a ``base_model_tp_plan``), or the block's traced graph
+  with its head-count-dependent shapes localised. The block layer verifies the result against the
+  block's own forward on the first real call (float64, outputs and every gradient; fail closed).
 - **Sequence parallelism** (``sequence_parallel=True``; Korthikanti et al., arXiv 2205.05198): between
   the tensor-parallel regions (norms, residual adds, dropout) each rank holds 1/tp of the sequence. The
   column-parallel projections take a ``Shard(1)`` input (all-gather of the sequence), the row-parallel
@@ -29,9 +29,7 @@ Per block of the trunk, with the block family's adapter (``lightning_parallel.ad
 
 from __future__ import annotations
 
-import copy
 import fnmatch
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_parallel.adapters import BlockAdapter, split_forward, verify_on_first_call
+from lightning_parallel import _collectives
+from lightning_parallel.anatomy.base import ConfigurationError
 
 STYLES = ("colwise", "rowwise", "colwise_qkv")
 
@@ -82,13 +81,6 @@ def _distribute(style: Any, module: nn.Module, mesh: DeviceMesh, placements: dic
     )
 
 
-def head_aligned(width: int, tp: int) -> Tensor:
-    """Row order of a fused [q | k | v] projection (``width`` = 3C rows) that puts rank r's heads of q, k
-    and v together: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``."""
-    c, per = width // 3, width // 3 // tp
-    return torch.tensor([part * c + r * per + i for r in range(tp) for part in range(3) for i in range(per)])
-
-
 @dataclass
 class TensorParallelLayout:
     """What was sharded and how: the fused projections' permutations (by full parameter name)."""
@@ -116,16 +108,9 @@ class TensorParallelLayout:
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def resolve_plan(block: nn.Module, adapter: BlockAdapter | None, user_plan: dict[str, str] | None) -> dict[str, str]:
-    """The plan for one block: the user's patterns expanded to the block's module/parameter names, or the
-    adapter's; errors name the class, the pattern or the argument."""
-    if user_plan is None:
-        if adapter is None:
-            raise ValueError(
-                f"tensor parallelism does not know the anatomy of {type(block).__name__}: no block-family adapter"
-                " matches it; pass tp_plan={'pattern': 'colwise' | 'rowwise' | 'colwise_qkv'} (names inside a block)"
-            )
-        return adapter.tp_plan(block)
+def expand_plan(block: nn.Module, user_plan: dict[str, str]) -> dict[str, str]:
+    """The user's patterns (globs over module/parameter names inside a block) expanded to the block's names;
+    errors name the class, the pattern or the style."""
     names = [n for n, _ in block.named_modules() if n] + [n for n, _ in block.named_parameters()]
     plan: dict[str, str] = {}
     for pattern, style in user_plan.items():
@@ -138,26 +123,82 @@ def resolve_plan(block: nn.Module, adapter: BlockAdapter | None, user_plan: dict
     return plan
 
 
-def check_divisible(block: nn.Module, adapter: BlockAdapter | None, plan: dict[str, str], tp: int) -> None:
-    """Every sharded width and head count divides by ``tp``; raise naming the numbers and the argument."""
-    where = f"tensor_parallel_size={tp}"
-    if adapter is not None:
-        heads, kv_heads = adapter.head_counts(block)
-        for what, n in (("attention heads", heads), ("key/value heads", kv_heads)):
-            if n % tp:
-                raise ValueError(f"{where} must divide the number of {what} ({n}) of {type(block).__name__}")
+def check_heads(block: nn.Module, heads: tuple[int, int], tp: int) -> None:
+    """Tensor parallelism splits whole heads: both head counts must divide by ``tp``."""
+    for what, n in zip(("attention heads", "key/value heads"), heads):
+        if n % tp:
+            raise ConfigurationError(
+                f"tensor_parallel_size={tp} must divide the number of {what} ({n}) of {type(block).__name__}"
+            )
+
+
+def check_divisible(block: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """Every sharded width divides by ``tp`` (3 x tp for a fused q|k|v); raise naming the numbers."""
     for name, style in plan.items():
+        if style not in _SHARDED:
+            continue
         target = _target(block, name)
         w = target if isinstance(target, Tensor) else target.weight
         conv = not isinstance(target, Tensor) and _is_conv1d(target)
-        out_dim, in_dim = (1, 0) if conv else (0, 1)
+        out_dim, in_dim = (1, 0) if conv else (w.dim() - 2, w.dim() - 1)
         dim, what = (in_dim, "input width") if style == "rowwise" else (out_dim, "output width")
-        parts = 3 * tp if style == "colwise_qkv" else tp  # q, k and v each split into tp whole parts
+        parts = {"colwise_qkv": 3, "packed_colwise": 2}.get(style, 1) * tp  # each fused part split into tp
         if w.shape[dim] % parts:
-            raise ValueError(
-                f"{where} must divide the {what} ({w.shape[dim]}{' = 3 x q|k|v' if parts > tp else ''}) of {name}"
+            fused = f" = {parts // tp} fused parts" if parts > tp else ""
+            raise ConfigurationError(
+                f"tensor_parallel_size={tp} must divide the {what} ({w.shape[dim]}{fused}) of {name}"
                 f" in {type(block).__name__}"
             )
+
+
+# styles a block-level plan may use; the first three are the user-facing ones (``STYLES``)
+_SHARDED = ("colwise", "rowwise", "colwise_qkv", "packed_colwise", "colwise_replicated_output",
+            "rowwise_replicated_input")  # fmt: skip
+_ALL_STYLES = _SHARDED + ("replicated_partial_grad", "experts_partial_output")
+
+
+def shard_modules(
+    block: nn.Module, prefix: str, plan: dict[str, str], mesh: DeviceMesh, layout: TensorParallelLayout,
+    sequence_parallel: bool = False,
+) -> None:  # fmt: skip
+    """Shard ``block`` (whose full parameter names start with ``prefix``) over the 1-D ``mesh`` by module
+    styles: ``parallelize_module``'s ``ColwiseParallel`` / ``RowwiseParallel`` on ``nn.Linear`` (and the
+    ``Conv1D`` subclasses), bare fused parameters distributed directly. Records permutations and the
+    replicated parameters whose gradients are partial in ``layout``."""
+    for name, style in plan.items():
+        if style not in _ALL_STYLES:
+            raise ValueError(f"tensor-parallel style {style!r} of {name!r} is not supported; known: {_ALL_STYLES}")
+        target = _target(block, name)
+        if style == "replicated_partial_grad":
+            layout.partial += [target] if isinstance(target, nn.Parameter) else list(target.parameters())
+            continue
+        if style == "experts_partial_output":
+            target.forward = _LocalCompute(target, mesh)
+            continue
+        if style in ("colwise_qkv", "packed_colwise"):
+            for pname, dim, perm in _permute_fused(
+                block, name, target, tp=mesh.size(), parts=3 if style == "colwise_qkv" else 2
+            ):
+                layout.permuted[f"{prefix}{pname}"] = (dim, perm)
+        rowwise = style in ("rowwise", "rowwise_replicated_input")
+        if isinstance(target, nn.Parameter):
+            _distribute_parameters(block, name, mesh, rowwise)
+            continue
+        layouts: dict[str, Any] = {}
+        if sequence_parallel:
+            layouts = {"output_layouts": Shard(1)} if rowwise else {"input_layouts": Shard(1)}
+        if style == "colwise_replicated_output":
+            layouts["output_layouts"] = Replicate()
+        if style == "rowwise_replicated_input":
+            layouts["input_layouts"] = Replicate()
+        if _is_conv1d(target):
+            parallelize_module(target, mesh, (_Conv1DRowwise if rowwise else _Conv1DColwise)(**layouts))
+        else:
+            parallel = (RowwiseParallel if rowwise else ColwiseParallel)(**layouts)
+            parallel.src_data_rank = None  # every rank holds the same full weights: slice locally
+            parallelize_module(target, mesh, parallel)
+    if sequence_parallel:
+        layout.partial += [p for p in block.parameters() if not isinstance(p.data, DTensor)]
 
 
 def _target(block: nn.Module, name: str) -> nn.Module | nn.Parameter:
@@ -169,112 +210,71 @@ def _target(block: nn.Module, name: str) -> nn.Module | nn.Parameter:
     return value
 
 
-def parallelize_blocks(
-    blocks: Iterable[tuple[str, nn.Module]],
-    adapter: BlockAdapter | None,
-    mesh: DeviceMesh,
-    user_plan: dict[str, str] | None = None,
-    sequence_parallel: bool = False,
-) -> TensorParallelLayout:
-    """Shard each ``(full name prefix, block)`` over the 1-D ``mesh``; returns the layout for checkpoints."""
-    tp = mesh.size()
-    layout = TensorParallelLayout(mesh)
-    if sequence_parallel and adapter is None:
-        raise ValueError("tp_sequence_parallel=True needs a block-family adapter (the block's forward is replaced)")
-    for i, (prefix, block) in enumerate(blocks):
-        plan = resolve_plan(block, adapter, user_plan)
-        check_divisible(block, adapter, plan, tp)
-        if adapter is not None:  # one block verifies the family
-            _TensorParallelForward.install(block, adapter, verify=i == 0, sequence_parallel=sequence_parallel)
-        for name, style in plan.items():
-            target = _target(block, name)
-            if style == "colwise_qkv":
-                for pname, dim, perm in _permute_fused(block, name, target, tp):
-                    layout.permuted[f"{prefix}{pname}"] = (dim, perm)
-            rowwise = style == "rowwise"
-            layouts = {"output_layouts": Shard(1)} if rowwise else {"input_layouts": Shard(1)}
-            layouts = layouts if sequence_parallel else {}
-            if isinstance(target, nn.Parameter):
-                _distribute_parameters(block, name, mesh, Shard(1) if sequence_parallel else None)
-            elif _is_conv1d(target):
-                parallelize_module(target, mesh, (_Conv1DRowwise if rowwise else _Conv1DColwise)(**layouts))
-            else:
-                parallel = (RowwiseParallel if rowwise else ColwiseParallel)(**layouts)
-                parallel.src_data_rank = None  # every rank holds the same full weights: slice locally
-                parallelize_module(target, mesh, parallel)
-        if sequence_parallel:
-            layout.partial += [p for p in block.parameters() if not isinstance(p.data, DTensor)]
-    return layout
-
-
-def _permute_fused(block: nn.Module, name: str, target: Any, tp: int) -> list[tuple[str, int, Tensor]]:
-    """Reorder a fused q|k|v projection's outputs head-aligned, in place; returns (param name, dim, perm)."""
-    if isinstance(target, nn.Parameter):  # a bare in_proj_weight and its in_proj_bias
+def _permute_fused(block: nn.Module, name: str, target: Any, tp: int, parts: int) -> list[tuple[str, int, Tensor]]:
+    """Reorder a fused projection's outputs (``parts`` equal parts, e.g. q|k|v) rank-aligned, in place;
+    returns (param name, dim, perm)."""
+    if isinstance(target, nn.Parameter):  # a bare in_proj_weight and its in_proj_bias, or a 3-d expert weight
         owner, _, attr = name.rpartition(".")
         parent = block.get_submodule(owner) if owner else block
-        pairs = [(name, target, 0)]
+        pairs = [(name, target, target.dim() - 2)]
         bias_name = attr.replace("weight", "bias")
         bias = getattr(parent, bias_name, None) if bias_name != attr else None
         if isinstance(bias, nn.Parameter):
-            pairs.append((f"{owner}.{bias_name}" if owner else bias_name, bias, 0))
+            pairs.append((f"{owner}.{bias_name}" if owner else bias_name, bias, bias.dim() - 1))
     else:
         out_dim = 1 if _is_conv1d(target) else 0
         pairs = [(f"{name}.weight", target.weight, out_dim)]
         if getattr(target, "bias", None) is not None:
             pairs.append((f"{name}.bias", target.bias, 0))
-    perm = head_aligned(pairs[0][1].shape[pairs[0][2]], tp)
+    width = pairs[0][1].shape[pairs[0][2]]
+    perm = rank_aligned([width // parts] * parts, tp)
     with torch.no_grad():
         for _, param, dim in pairs:
             param.copy_(param.index_select(dim, perm))
     return [(pname, dim, perm) for pname, _, dim in pairs]
 
 
-def _distribute_parameters(block: nn.Module, name: str, mesh: DeviceMesh, input_layout: Any) -> None:
+def rank_aligned(parts: list[int], tp: int) -> Tensor:
+    """Order of a fused dimension made of ``parts`` (sizes) that gives rank r, under a plain ``Shard``,
+    its slice of every part: ``[p0_0 p1_0 p2_0 | p0_1 p1_1 p2_1 | ...]``."""
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    return torch.tensor(
+        [s + r * (n // tp) + i for r in range(tp) for s, n in zip(starts, parts) for i in range(n // tp)]
+    )
+
+
+def _distribute_parameters(block: nn.Module, name: str, mesh: DeviceMesh, rowwise: bool) -> None:
+    """A bare parameter (and its ``bias`` twin): column-wise on its output dim (-2; a bias on -1), row-wise
+    on its input dim (-1; a row-wise bias stays whole)."""
     owner, _, attr = name.rpartition(".")
     parent = block.get_submodule(owner) if owner else block
     names = [attr] + ([attr.replace("weight", "bias")] if "weight" in attr else [])
     for pname in names:
         param = getattr(parent, pname, None)
-        if isinstance(param, nn.Parameter) and not isinstance(param.data, DTensor):
-            dist = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
-            new = nn.Parameter(dist, requires_grad=param.requires_grad)
-            new._lp_input_layout = input_layout  # read by the adapter that applies it (a Shard(1) input: SP)
-            setattr(parent, pname, new)
+        if not isinstance(param, nn.Parameter) or isinstance(param.data, DTensor):
+            continue
+        if param.dim() == 1:
+            placement = Replicate() if rowwise else Shard(0)
+        else:
+            placement = Shard(param.dim() - 1) if rowwise else Shard(param.dim() - 2)
+        dist = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
+        setattr(parent, pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
-class _TensorParallelForward:
-    """The block's forward under tensor parallelism: the adapter's split forward. On the first call with
-    gradients it verifies the adapter on the real input against an unsharded copy of the block."""
+class _LocalCompute:
+    """A module's forward on the local parts of its sharded parameters (``torch.func.functional_call``),
+    its partial output all-reduced over the tensor-parallel group (a mixture of experts whose experts'
+    inner widths are sharded)."""
 
-    def __init__(
-        self, block: nn.Module, adapter: BlockAdapter, reference: nn.Module | None, sequence_parallel: bool
-    ) -> None:
-        self.block, self.adapter, self.reference, self.sequence_parallel = block, adapter, reference, sequence_parallel
+    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.module, self.mesh = module, mesh
 
-    @classmethod
-    def install(cls, block: nn.Module, adapter: BlockAdapter, verify: bool, sequence_parallel: bool) -> None:
-        block.forward = cls(block, adapter, copy.deepcopy(block) if verify else None, sequence_parallel)
-        if verify:  # a pre-hook runs outside any recomputation, and only once per call
-            block.register_forward_pre_hook(verify_on_first_call, with_kwargs=True)
-
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not self.sequence_parallel:
-            return split_forward(self.adapter, self.block, x, args, kwargs)
-        mesh = _mesh_of(self.block)
-        tp, T = mesh.size(), x.shape[1]
-        if T % tp:
-            raise ValueError(
-                f"tp_sequence_parallel=True needs the sequence length ({T}) to be divisible by"
-                f" tensor_parallel_size ({tp}); pad the batch or turn tp_sequence_parallel off"
-            )
-        mine = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
-        out = split_forward(self.adapter, self.block, mine.to_local(), args, kwargs)
-        whole = DTensor.from_local(out, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
-        return whole.to_local()
-
-
-def _mesh_of(block: nn.Module) -> DeviceMesh:
-    return next(p for p in block.parameters() if isinstance(p.data, DTensor)).device_mesh
+    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+        params = {n: p.to_local() for n, p in self.module.named_parameters() if isinstance(p, DTensor)}
+        group = self.mesh.get_group()
+        hidden = _collectives.copy_to_group(hidden, group)  # its gradient is summed over the ranks
+        out = torch.func.functional_call(self.module, params, (hidden, *args), kwargs, strict=False, tie_weights=False)
+        return _collectives.reduce_from_group(out, group)
 
 
 def local(t: Tensor) -> Tensor:

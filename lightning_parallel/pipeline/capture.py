@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.pipeline.trunk import Trunk
+from lightning_parallel.trunk import Trunk
 
 BlockArgs = tuple[tuple[Any, ...], dict[str, Any]]
 

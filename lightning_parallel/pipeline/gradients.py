@@ -25,11 +25,16 @@ def stash(params: list[nn.Parameter]) -> list[Tensor | None]:
     return saved
 
 
-def restore(params: list[nn.Parameter], saved: list[Tensor | None]) -> dict[nn.Parameter, Tensor]:
-    """Put ``saved`` back and return the gradients that accumulated since ``stash``."""
+def restore(
+    stashed: list[nn.Parameter], saved: list[Tensor | None], params: list[nn.Parameter]
+) -> dict[nn.Parameter, Tensor]:
+    """Put ``saved`` back on the ``stashed`` parameters and return the gradients of ``params`` (the current
+    ones: a block's first call may have replaced some, e.g. by their tensor-parallel shards) that
+    accumulated since ``stash``."""
     new = {p: p.grad for p in params if p.grad is not None}
-    for p, g in zip(params, saved):
-        p.grad = g
+    current = {id(p) for p in params}
+    for p, g in zip(stashed, saved):
+        p.grad = g if id(p) in current else None
     return new
 
 

@@ -40,7 +40,7 @@ from lightning_parallel.pipeline.capture import (
     wrap_output,
 )
 from lightning_parallel.pipeline.schedules import Action
-from lightning_parallel.pipeline.trunk import Trunk
+from lightning_parallel.trunk import Trunk
 
 
 def structure_of(output: Any) -> Any:
@@ -243,7 +243,7 @@ class PipelineRuntime:
         def make(j: int, block: nn.Module) -> Callable[..., Any]:
             c = chunk_of[j]
             local = c % self.num_stages == self.stage
-            real = type(block).forward.__get__(block)
+            real = block.__dict__.get("forward") or type(block).forward.__get__(block)  # its stack, if composed
 
             def forward(*a: Any, **kw: Any) -> Any:
                 hidden, (args, kwargs) = split_hidden(self.trunk, a, kw)

@@ -1,5 +1,5 @@
-"""Tensor parallelism inside the strategies: sharding each rank's local blocks (after pipeline placement,
-before recomputation), gradients of sharded parameters, and the global gradient norm (review H3)."""
+"""Tensor parallelism inside the strategies: gradients of sharded parameters and the global gradient norm
+(the blocks themselves are sharded by the block layer, :mod:`lightning_parallel.blocks`)."""
 
 from __future__ import annotations
 
@@ -10,41 +10,20 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
-from lightning_parallel.adapters import find_adapter
 from lightning_parallel.mesh import TP
 from lightning_parallel.pipeline import gradients
-from lightning_parallel.pipeline.trunk import discover_trunk
-from lightning_parallel.tensor_parallel import TensorParallelLayout, is_sharded, local, parallelize_blocks
+from lightning_parallel.tensor_parallel import TensorParallelLayout, is_sharded, local
 
 
 class TensorParallelMixin:
     """Mixed into ``HybridParallelStrategy``."""
 
-    _tp_layout: Optional[TensorParallelLayout] = None
-    _tp_plan: Optional[dict[str, str]]
-    _tp_sequence_parallel: bool
-    _adapter_arg: Optional[str]
-    _trunk_path: Optional[str]
+    _tp_layout: Optional[TensorParallelLayout]
 
     @property
     def tp_group(self) -> Optional[Any]:
         mesh = self._mesh  # type: ignore[attr-defined]
         return mesh.get_group(TP) if mesh is not None else None
-
-    def _apply_tensor_parallel(self, module: nn.Module) -> None:
-        """Shard the trunk's materialised blocks over the tp axis (a no-op at tensor_parallel_size=1)."""
-        if self.parallel_dims.tp == 1 or self._tp_layout is not None:  # type: ignore[attr-defined]
-            return
-        trunk = discover_trunk(module, self._trunk_path)
-        try:
-            adapter = find_adapter(trunk.blocks[0], self._adapter_arg)
-        except ValueError:
-            if self._adapter_arg is not None:
-                raise
-            adapter = None  # an unknown family: only a user's tp_plan (and its own forward) can shard it
-        blocks = trunk.materialised()
-        mesh = self.device_mesh[TP]  # type: ignore[attr-defined]
-        self._tp_layout = parallelize_blocks(blocks, adapter, mesh, self._tp_plan, self._tp_sequence_parallel)
 
     def _materialize_gradients(self, optimizer: Optimizer) -> None:
         """Bring each DTensor gradient to its parameter's placement (a partial sum becomes the sum); under

@@ -4,9 +4,10 @@ attention-parallel pipeline, for an unchanged LightningModule.
 Layer k's attention for the micro-batch at group offset d runs on stage (k + d) mod p, so the
 attentions of one group run on all stages at once and attention leaves the pipeline's fill and drain;
 param chunks ``post-attention(j) + pre-attention(j+1)`` run on stage j mod p; micro-batches go in the
-two-fold first-in-last-out order (``pipeline/helix_schedule.py``). The block is split by a family adapter
-(``lightning_parallel.adapters``), verified on the first real micro-batch against the block's own
-forward and gradients before anything is freed. Each parameter then lives on exactly one stage: a
+two-fold first-in-last-out order (``pipeline/helix_schedule.py``). Each block is split at its attention
+call by its anatomy (:mod:`lightning_parallel.anatomy`: a hand-written adapter, or the block's graph
+traced and cut there), verified on the first real micro-batch against the block's own forward and
+gradients before anything is freed. Each parameter then lives on exactly one stage: a
 block's pre-attention part on stage (k-1) mod p, the rest on stage k mod p. Defaults: recomputation
 without attention and a chunked MLP (both switchable). The loss stage is stage 0 (global rank 0).
 """
@@ -14,6 +15,7 @@ without attention and a chunked MLP (both switchable). The loss stage is stage 0
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal, Optional
 
 import torch
@@ -21,14 +23,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.adapters import BlockAdapter, find_adapter, verify_adapter
+from lightning_parallel.anatomy.verify import plain_gradients
+from lightning_parallel.blocks import BlockConfig, first_verified
 from lightning_parallel.mesh import PP, Size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.schedules import Simulation
-from lightning_parallel.pipeline.trunk import discover_trunk, parameter_bytes
 from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
@@ -37,6 +39,7 @@ from lightning_parallel.strategies._logging import (
     snapshot_metrics,
 )
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
+from lightning_parallel.trunk import Trunk, parameter_bytes
 
 
 class HelixParallelStrategy(PipelineParallelStrategy):
@@ -48,8 +51,8 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         num_microbatches: micro-batches per batch, a multiple of ``pipeline_parallel_size * folds``
             (default: exactly that).
         folds: 2 (two-fold: one micro-batch's messages overlap the other's compute) or 1.
-        adapter: block-family adapter name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``) or object;
-            default: found from the block.
+        adapter: a hand-written block adapter's name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``) or object;
+            default: derived from the block (see :mod:`lightning_parallel.anatomy.resolve`).
         recompute: ``"no_attention"`` (default: param chunks recomputed, attention kept) or ``"none"``.
         mlp_chunks: run each block's MLP over this many sequence slices (default 2; 1 turns it off).
         **kwargs: ``loss_reduction``, ``trunk``, ``check_batches`` and the base strategy's arguments.
@@ -64,7 +67,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         data_parallel_size: Size = 1,
         num_microbatches: Optional[int] = None,
         folds: int = 2,
-        adapter: Optional[str] = None,
+        adapter: Optional[Any] = None,
         recompute: Literal["no_attention", "none"] = "no_attention",
         mlp_chunks: int = 2,
         **kwargs: Any,
@@ -94,8 +97,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             **kwargs,
         )
         self._folds, self._helix_recompute = folds, recompute == "no_attention"
-        self._adapter: Optional[BlockAdapter] = None
-        self._placed = False
+        self._splits: list[Any] = []  # each layer's verified split, once the first step has placed the model
 
     @property
     def num_microbatches(self) -> int:
@@ -123,41 +125,34 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             )
 
     @override
-    def _build_pipeline(self, lm: nn.Module) -> None:
+    def _place_stages(self, lm: Any, trunk: Trunk) -> list[tuple[int, nn.Module]]:
+        """Build the runtime; every rank keeps the whole model until the first step verifies the splits
+        (so no block runs through the block layer: the runtime drives each block's split itself)."""
         dims = self.parallel_dims
-        trunk = discover_trunk(lm, self._trunk_path)
         check_sizes(dims.pp, len(trunk), self.num_microbatches, self._folds)
-        self._adapter = find_adapter(trunk.blocks[0], self._adapter_arg)
         in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
         self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
         self.runtime = HelixRuntime(
             trunk, [range(len(trunk))], self.stage, ranks, self.pp_group, self.root_device,
-            adapter=self._adapter, folds=self._folds, recompute=self._helix_recompute,
+            folds=self._folds, recompute=self._helix_recompute,
         )  # fmt: skip
         self.runtime.quiet_step = self._quiet
+        self.runtime.splits = self._splits  # placed by an earlier fit with this strategy, or filled at the first step
         self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
+        return []
+
+    @override
+    def _block_config(self) -> BlockConfig:
+        # helix recomputes inside its runtime (param chunks under checkpoint); the MLP chunking is the split's
+        return replace(super()._block_config(), recompute="none")
 
     @override
     def simulate_schedule(self, cost: Callable[[str, int], float]) -> Simulation:
         assert self.runtime is not None, "the schedule is built when training starts"
         L, m = self.runtime.num_layers, self.num_microbatches
         return simulate_helix(self.schedule, L, m, self._folds, lambda a: cost(a.phase + a.op, a.index))
-
-    @override
-    def _apply_recompute(self, module: nn.Module) -> None:
-        # helix recomputes inside its runtime (param chunks under checkpoint); only the MLP chunking is applied here
-        if self._recompute["mlp_chunks"] > 1:
-            from lightning_parallel.recompute import apply_recompute
-
-            apply_recompute(
-                module,
-                "none",
-                mlp_chunks=self._recompute["mlp_chunks"],
-                trunk=self._trunk_path,
-                mlp_module=self._recompute["mlp_module"],
-            )
 
     def _quiet(self, step: Any) -> Any:
         """Re-run the user's step in a backward action: no logging, metric states left as they were."""
@@ -169,27 +164,34 @@ class HelixParallelStrategy(PipelineParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._placed:
+        if not self._splits:
             self._verify_and_place(args[0], args[1:], kwargs)
         return super().training_step(*args, **kwargs)
 
     def _verify_and_place(self, batch: Any, rest: tuple, kwargs: dict) -> None:
-        """Verify the adapter on the first real micro-batch (every rank still holds the whole model),
-        then free what this stage does not run and drop it from the optimizers."""
+        """Split every block at its attention call, verified on the first real micro-batch (every rank still
+        holds the whole model), then free what this stage does not run and drop it from the optimizers."""
         lm, runtime = self.lightning_module, self.runtime
-        assert lm is not None and runtime is not None and self._adapter is not None
+        assert lm is not None and runtime is not None
         micro, _ = split_microbatches(batch, self.num_microbatches)
         with torch.random.fork_rng(), recording(lm, LogRecorder()), self.precision_plugin.train_step_context():
             cap = capture(runtime.trunk, lambda: lm.training_step(micro[0], *rest, **kwargs), None)
-        args, kw = cap.block_args[0]
-        verify_adapter(self._adapter, runtime.trunk.blocks[0], cap.trunk_input, args, kw)
-        freed = place_parameters(runtime.trunk, self._adapter, self.stage, self.parallel_dims.pp)
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for q in group["params"]:
-                    if id(q) in freed:
-                        opt.state.pop(q, None)  # e.g. state restored from a checkpoint for the whole model
-                group["params"] = [q for q in group["params"] if id(q) not in freed]
-        self._placed = True
+        config, winner = self._block_config(), None
+        for j, block in enumerate(runtime.trunk.blocks):
+            sample = (cap.trunk_input.detach(), *cap.block_args[j])
+            winner, anatomy = first_verified(block, sample, config, winner, _split_candidate(config), [])
+            self._splits.append(anatomy.helix_split(block, config))
+        self._drop_from_optimizers(place_parameters(runtime.trunk, self._splits, self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)
         self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], parameter_bytes(lm))
+
+
+def _split_candidate(config: BlockConfig) -> Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]]:
+    def for_anatomy(anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
+        def build(copy: nn.Module) -> tuple[Any, Any]:
+            split = anatomy.helix_split(copy, config)
+            return (lambda m, x, a, kw: split(m, x, a, kw)), plain_gradients
+
+        return build
+
+    return for_anatomy

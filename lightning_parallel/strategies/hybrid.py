@@ -42,14 +42,17 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel import recompute as recompute_lib
+from lightning_parallel.anatomy.families import prepare_model
+from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
-from lightning_parallel.sequence_parallel import MODES
+from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.strategies._tensor import TensorParallelMixin
-from lightning_parallel.tensor_parallel import local
+from lightning_parallel.tensor_parallel import TensorParallelLayout, local
+from lightning_parallel.trunk import Trunk, discover_trunk
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             see :mod:`lightning_parallel.sequence_parallel`).
         sequence_parallel_mode: ``"ulysses"`` (all-to-all between sequence and heads; sp divides the heads)
             or ``"ring"`` (k/v passed around the ring, zig-zag balanced; causal or unmasked attention).
-        adapter: block-family adapter name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``); default: found.
+        adapter: a hand-written block adapter's name (``"nanogpt"``, ``"llama"``, ``"torch_encoder"``) or an object
+            implementing :class:`~lightning_parallel.anatomy.BlockAdapter`; default: the block's anatomy is
+            derived (hand-written adapters, Hugging Face metadata, the traced graph; see
+            :mod:`lightning_parallel.anatomy.resolve`).
         process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
         timeout: timeout of the process group's collectives.
         recompute: activation recomputation of the trunk's blocks: ``"none"``, ``"full"``, ``"every_n"``,
@@ -95,7 +101,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         tp_sequence_parallel: bool = False,
         sequence_parallel_size: Size = 1,
         sequence_parallel_mode: Literal["ulysses", "ring"] = "ulysses",
-        adapter: Optional[str] = None,
+        adapter: Optional[Any] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -130,7 +136,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             )
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
         self._recompute = dict(
-            policy=recompute,
+            recompute=recompute,
             every_n=recompute_every_n,
             mlp_chunks=mlp_chunks,
             mlp_module=mlp_module,
@@ -144,7 +150,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         }
         self._sp_mode = sequence_parallel_mode
         self._tp_plan, self._adapter_arg, self._tp_sequence_parallel = tp_plan, adapter, tp_sequence_parallel
-        self._tp_layout = None
+        self._blocks: Optional[BlockLayer] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -245,32 +251,91 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
+        lm = self.lightning_module
+        assert self.accelerator is not None and self.model is not None and lm is not None
+        self._check_module(lm)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._apply_tensor_parallel(self.lightning_module)
-        self._apply_sequence_parallel(self.lightning_module)
-        self._apply_recompute(self.lightning_module)
+        self._parallelize(lm)
         self._sync_module_states(self.model)
-        if self.parallel_dims.tp > 1 or self.parallel_dims.sp > 1:
-            for metric in MetricStepper(self.lightning_module, False).metrics.values():
-                metric.process_group = self.dp_group  # a tp/sp replica's samples are the replica's samples
+        for metric in MetricStepper(lm, False).metrics.values():
+            metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
+            self._drop_from_optimizers({id(p) for p in lm.parameters() if p.device.type == "meta"})
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             _optimizers_to_device(self.optimizers, self.root_device)
-        if self.parallel_dims.tp > 1:
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
 
-    def _apply_recompute(self, module: torch.nn.Module) -> None:
-        """Recomputation wrappers (and MLP chunking) around the trunk's blocks, when asked for."""
-        if self._recompute["policy"] != "none" or self._recompute["mlp_chunks"] > 1:
-            communication = self.parallel_dims.tp > 1 or self.parallel_dims.sp > 1  # never re-run collectives
-            recompute_lib.apply_recompute(
-                module, trunk=self._trunk_path, keep_communication=communication, **self._recompute
-            )
+    def _check_module(self, lm: LightningModule) -> None:
+        """Refuse what this strategy cannot run (before anything is placed)."""
+
+    # ------------------------------------------------------------------------------ the recipe
+    def _parallelize(self, lm: LightningModule) -> None:
+        """The set-up recipe, once for every strategy: find the trunk, prepare the model family, place the
+        stages (a hook: all blocks here), then give the blocks this rank runs their composed stack
+        (:mod:`lightning_parallel.blocks`: tensor, sequence parallelism, chunked MLP, recomputation)."""
+        config = self._block_config()
+        if not (config.needs_anatomy or config.recompute != "none" or self._needs_trunk()):
+            return  # data parallelism alone: the model needs no trunk
+        # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
+        trunk = self._blocks.trunk if self._blocks is not None else discover_trunk(lm, self._trunk_path)
+        prepare_model(lm)
+        local = self._place_stages(lm, trunk)
+        if self._blocks is None:
+            layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
+            self._blocks = layer.install(local)
+
+    def _needs_trunk(self) -> bool:
+        return False
+
+    def _place_stages(self, lm: LightningModule, trunk: Trunk) -> list[tuple[int, torch.nn.Module]]:
+        """The ``(index, block)`` pairs this rank runs (every block here; the pipeline places stages)."""
+        return list(enumerate(trunk.blocks))
+
+    def _block_config(self) -> BlockConfig:
+        dims, mesh = self.parallel_dims, self._mesh
+        return BlockConfig(
+            tp_mesh=mesh[TP] if dims.tp > 1 and mesh is not None else None,
+            tp_plan=self._tp_plan,
+            tp_sequence_parallel=self._tp_sequence_parallel,
+            sp_mesh=mesh[SP] if dims.sp > 1 and mesh is not None else None,
+            sp_mode=self._sp_mode,
+            adapter=self._adapter_arg,
+            **self._recompute,
+        )
+
+    @property
+    def _tp_layout(self) -> Optional[TensorParallelLayout]:
+        return self._blocks.layouts.tp if self._blocks is not None else None
+
+    @property
+    def _sp_layout(self) -> Optional[SequenceParallelLayout]:
+        return self._blocks.layouts.sp if self._blocks is not None else None
+
+    def _drop_from_optimizers(self, freed: set[int]) -> None:
+        """Take parameters this rank does not hold out of the optimizers (and their restored state)."""
+        if not freed:
+            return
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for q in group["params"]:
+                    if id(q) in freed:
+                        opt.state.pop(q, None)
+                group["params"] = [q for q in group["params"] if id(q) not in freed]
+
+    def _replace_parameters(self, replaced: list[tuple[torch.nn.Parameter, torch.nn.Parameter, str]]) -> None:
+        """A block's stack was committed and sharded some parameters: the optimizers hold the new ones, and
+        state restored for a whole parameter (from a checkpoint) is sharded like it."""
+        new_of = {id(old): new for old, new, _ in replaced}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [new_of.get(id(q), q) for q in group["params"]]
+            for old, new, name in replaced:
+                if old in opt.state:
+                    opt.state[new] = {k: self._in_memory(name, v, new) for k, v in opt.state.pop(old).items()}
 
     def _sync_module_states(self, module: torch.nn.Module) -> None:
         """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""

@@ -1,11 +1,12 @@
 """``PipelineParallelStrategy`` (``strategy="pipeline"``): pipeline parallelism for an unchanged
 LightningModule, composable with data parallelism (mesh ``dp x pp``).
 
-What it wires into Lightning (DESIGN §3, §5; review C1-C3, H2, H7-H11):
+What it wires into Lightning (docs/design.md, "Pipeline parallelism"):
 
-- ``setup``: discover the trunk, place its blocks on stages (balanced, ``layers_per_stage``, virtual
-  stages), free the other stages' blocks, then build optimizers and drop the freed parameters from
-  them. The loss stage (last chunk) runs on pp coordinate 0, so global rank 0 sees the loss.
+- ``setup`` (the base strategy's recipe, with this strategy's ``_place_stages``): place the trunk's
+  blocks on stages (balanced, ``layers_per_stage``, virtual stages), free the other stages' blocks,
+  compose the local blocks, then build optimizers without the freed parameters. The loss stage (last
+  chunk) runs on pp coordinate 0, so global rank 0 sees the loss.
 - ``training_step``: split the batch into micro-batches and hand them to the runtime with the chosen
   schedule. Lightning zeroes gradients *after* ``training_step``, so the schedule's gradients are
   stashed and put back in ``backward``, which still fires ``on_before_backward``/``on_after_backward``.
@@ -20,26 +21,26 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Literal, Optional
 
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
+from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.mesh import PP, Size, check_size
 from lightning_parallel.pipeline import gradients
 from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
+from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
-from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks
 from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records, replay_logs
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.trunk import Trunk, free_blocks, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
@@ -138,38 +139,20 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     # ---------------------------------------------------------------------------------- setup
     @override
-    def setup(self, trainer: Trainer) -> None:
-        lm = self.lightning_module
-        assert lm is not None and self.accelerator is not None
+    def _check_module(self, lm: Any) -> None:
         if not lm.automatic_optimization:
             raise ValueError(
                 "manual optimization is not supported under pipeline parallelism; use automatic optimization"
             )
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self._build_pipeline(lm)
-        self._apply_tensor_parallel(lm)  # this stage's blocks only
-        self._apply_sequence_parallel(lm)
-        self._apply_recompute(lm)  # after placement: wraps the blocks this stage runs
-        self._sync_module_states(self.model)
-        for metric in MetricStepper(lm, False).metrics.values():
-            metric.process_group = self.dp_group  # never count a pipeline replica's samples twice
-        if trainer.state.fn == "fit":
-            self.setup_optimizers(trainer)
-            for opt in self.optimizers:
-                for group in opt.param_groups:
-                    group["params"] = [p for p in group["params"] if p.device.type != "meta"]
-        self.setup_precision_plugin()
-        if trainer.state.fn == "fit":
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+    @override
+    def _needs_trunk(self) -> bool:
+        return True
 
-    def _build_pipeline(self, lm: nn.Module) -> None:
+    @override
+    def _place_stages(self, lm: Any, trunk: Trunk) -> list[tuple[int, nn.Module]]:
+        """Place the trunk's blocks on model chunks, free the other stages' blocks, build the runtime."""
         dims, stage = self.parallel_dims, self.stage
-        trunk = discover_trunk(lm, self._trunk_path)
         chunks = dims.pp * self._virtual
         if self._layers_per_stage is None and len(trunk) < chunks:
             raise ValueError(
@@ -185,18 +168,13 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         placement = place_blocks(len(trunk), chunks, self._layers_per_stage)
         local = {j for c in range(chunks) if c % dims.pp == stage for j in placement[c]}
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
-        for module in lm.modules():
-            config = getattr(module, "config", None)
-            if getattr(config, "use_cache", False):
-                config.use_cache = False  # a KV cache in training keeps every layer's K/V alive (review M4)
-            if isinstance(module, nn.TransformerEncoder):
-                module.use_nested_tensor = False  # nested tensors cannot cross stages (review H6)
         in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
         self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
         self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
         self._report_placement(trunk.path, placement, parameter_bytes(lm))
+        return [(j, b) for j, b in enumerate(trunk.blocks) if j in local]
 
     def _report_placement(self, path: str, placement: list[range], nbytes: int) -> None:
         table = _collectives.all_gather_object((self.global_rank, self.stage, nbytes))
@@ -230,11 +208,11 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             return step
 
         self._metrics.before_step()
-        with self.precision_plugin.train_step_context(), recording(lm, recorder), _no_mha_fastpath():
+        with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths():
             results = runtime.run(
                 self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], _loss_of, weights
             )
-        self._grad_buffer = gradients.restore(params, saved)
+        self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
         return self._finish_step(results, recorder, shares)
 
     def _finish_step(self, results: dict, recorder: LogRecorder, shares: list[float]) -> Tensor:
@@ -280,6 +258,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         gradients.sum_replicated_([p for p in self._replicated if id(p) in in_opt], self.pp_group)
         super().sync_gradients(optimizer)
 
+    @override
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         """Replicated pre/post-trunk parameters are counted on stage 0 only."""
         return super()._counts_in_norm(p) and (self.stage == 0 or all(p is not q for q in self._replicated))
@@ -288,7 +267,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         assert self.runtime is not None
         base = getattr(super(), hook)
-        with _no_mha_fastpath():
+        with no_fast_paths():
             return self.runtime.lockstep(lambda: base(*args, **kwargs))
 
     @override
@@ -357,14 +336,3 @@ def _materialised_to(module: nn.Module, device: torch.device) -> nn.Module:
         if t.device.type != "meta":
             t.data = t.data.to(device)
     return module
-
-
-@contextmanager
-def _no_mha_fastpath() -> Iterator[None]:
-    """nn.MultiheadAttention's inference fast path skips Python and passes nested tensors (review H6)."""
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy
-from lightning_parallel.adapters import find_adapter, verify_adapter
+from lightning_parallel.anatomy import adapter_split
+from lightning_parallel.anatomy.adapters import matching_adapters
+from lightning_parallel.anatomy.verify import verify_split
 from tests.helpers.parity import assert_parity
 
 transformers = pytest.importorskip("transformers")
@@ -51,10 +53,12 @@ def test_adapters_verify_on_real_hf_blocks():
     position_ids = torch.arange(8)[None].expand(2, 8)
     cos_sin = llama.model.rotary_emb(x, position_ids)
     block = llama.model.layers[0]
-    verify_adapter(find_adapter(block), block, x, (), {"position_embeddings": cos_sin, "attention_mask": None})
+    (adapter,) = matching_adapters(block)
+    verify_split(adapter_split(adapter, block), block, x, (), {"position_embeddings": cos_sin, "attention_mask": None})
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0)
     )
     block = gpt2.transformer.h[0]
-    assert find_adapter(block).name == "nanogpt"
-    verify_adapter(find_adapter(block), block, x, (), {"attention_mask": None})
+    (adapter,) = matching_adapters(block)
+    assert adapter.name == "nanogpt"
+    verify_split(adapter_split(adapter, block), block, x, (), {"attention_mask": None})

@@ -45,7 +45,7 @@ def test_recomputation_of_sequence_parallel_blocks(policy, mode):
 
 def _norm_lengths(rank, world_size, model):
 
-    from lightning_parallel.pipeline.trunk import discover_trunk
+    from lightning_parallel.trunk import discover_trunk
     from tests.helpers.parity import build
 
     module, data = build(model, 8, "sgd")
@@ -92,7 +92,7 @@ def _llama(seq_len=16, **kwargs):
         (_llama(seq_len=18, n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64), {"sequence_parallel_mode": "ring"},
          r"sequence length \(18\) to be divisible by 2 x sequence_parallel_size \(4\)"),
         (lambda: __import__("tests.helpers.parity", fromlist=["build"]).build("hf", 4, "sgd"), {},
-         r"no adapter knows the anatomy of HFStyleLayer"),
+         r"no anatomy of HFStyleLayer serves sequence parallelism"),
     ],
 )  # fmt: skip
 def test_bad_input_is_named(make_module, kwargs, message):
@@ -119,10 +119,9 @@ def _trunk_kept_bytes(rank, world_size, mode):
 
     from examples.models import Llama
     from examples.models.llama import rope_tables
-    from lightning_parallel.adapters import find_adapter
+    from lightning_parallel.blocks import BlockConfig, parallelize
     from lightning_parallel.memory import kept_for_backward
-    from lightning_parallel.pipeline.trunk import discover_trunk
-    from lightning_parallel.sequence_parallel import parallelize_sequence
+    from lightning_parallel.trunk import discover_trunk
 
     torch.manual_seed(0)
     T, dim, heads = 256, 64, 4
@@ -140,8 +139,8 @@ def _trunk_kept_bytes(rank, world_size, mode):
     whole, reference = kept_for_backward(lambda: run(single))
     trunk = discover_trunk(model)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
-    parallelize_sequence(trunk.blocks, find_adapter(trunk.blocks[0]), mesh, mode)
-    run(trunk.blocks)  # the first call verifies the adapter on unsharded copies
+    parallelize(model, BlockConfig(sp_mesh=mesh, sp_mode=mode))
+    run(trunk.blocks)  # the first call verifies the stack on unsharded copies
     mine, out = kept_for_backward(lambda: run(trunk.blocks))
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     output = out.numel() * out.element_size()  # the trunk's output is whole on every rank
@@ -224,15 +223,17 @@ def _dropout_masks(rank, world_size):
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_parallel.adapters import find_adapter
-    from lightning_parallel.sequence_parallel import parallelize_sequence
+    from lightning_parallel.blocks import BlockConfig, parallelize
 
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.5, batch_first=True)
+    holder = nn.Module()
+    holder.layers = nn.ModuleList(
+        [nn.TransformerEncoderLayer(16, 4, 32, dropout=0.5, batch_first=True) for _ in range(2)]
+    )
+    layer = holder.layers[0]
     layer.self_attn.dropout = 0.0  # token-wise dropout only: with equal tokens, equal masks give equal halves
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
-    parallelize_sequence([layer], find_adapter(layer), mesh)
-    layer.forward.reference = None  # skip verification: dropout makes the two forwards differ by design
+    parallelize(holder, BlockConfig(sp_mesh=mesh))  # verified in eval mode: random masks cannot match
     x = torch.ones(1, 8, 16)  # every token the same: equal masks would give equal outputs
     y = layer(x)
     return y[:, :4], y[:, 4:], torch.rand(1)
@@ -262,12 +263,13 @@ def _masked_gpt2_block(rank, world_size, mode):
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from lightning_parallel.adapters import find_adapter
-    from lightning_parallel.sequence_parallel import parallelize_sequence
+    from lightning_parallel.blocks import BlockConfig, parallelize
 
     torch.manual_seed(0)
     config = GPT2Config(n_embd=32, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, _attn_implementation="sdpa")
-    block = GPT2Block(config).double()
+    holder = torch.nn.Module()
+    holder.h = torch.nn.ModuleList([GPT2Block(config).double() for _ in range(2)])
+    block = holder.h[0]
     T = 16
     x = torch.randn(2, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     lowest = torch.finfo(torch.float64).min
@@ -279,7 +281,7 @@ def _masked_gpt2_block(rank, world_size, mode):
     ref = ref[0] if isinstance(ref, tuple) else ref
     ref.square().sum().backward()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("sp",))
-    parallelize_sequence([block], find_adapter(block), mesh, mode)
+    parallelize(holder, BlockConfig(sp_mesh=mesh, sp_mode=mode))
     xs = x.clone().requires_grad_()
     out = block(xs, attention_mask=mask)
     out = out[0] if isinstance(out, tuple) else out

@@ -24,7 +24,7 @@ def test_tp2_matches_one_device_with_clipping(model):
 def _block_bytes(rank, world_size, model, tp, pp=1):
     from torch.distributed.tensor import DTensor
 
-    from lightning_parallel.pipeline.trunk import discover_trunk
+    from lightning_parallel.trunk import discover_trunk
 
     module, data = build(model, 8, "sgd")
     full = {n: p.numel() * p.element_size() for n, p in module.named_parameters()}
@@ -117,7 +117,7 @@ class _Broken:
     """The llama adapter without the attention residual: verification must refuse it."""
 
     def __init__(self):
-        from lightning_parallel.adapters.llama import LlamaAdapter
+        from lightning_parallel.anatomy.llama import LlamaAdapter
 
         self._inner = LlamaAdapter()
         self.name = "broken"
@@ -125,13 +125,13 @@ class _Broken:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def post(self, block, out, residual, args, kwargs):
-        return self._inner.post(block, out, torch.zeros_like(residual), args, kwargs)
+    def post(self, block, out, state, args, kwargs, call=None):
+        return self._inner.post(block, out, tuple(torch.zeros_like(t) for t in state), args, kwargs)
 
 
 def _fit(rank, world_size, model_fn, strategy_kwargs):
 
-    from lightning_parallel.adapters import ADAPTERS
+    from lightning_parallel.anatomy.adapters import ADAPTERS
 
     ADAPTERS["broken"] = _Broken()
     module, data = model_fn()
@@ -167,7 +167,7 @@ def _llama(**kwargs):
         (_gpt(n_layer=2, n_head=3, n_embd=24), {}, r"tensor_parallel_size=2 must divide the number of attention heads \(3\) of Block"),
         (_llama(n_layer=2, n_head=4, n_kv_head=1, dim=32, mlp_hidden=64), {}, r"must divide the number of key/value heads \(1\) of DecoderLayer"),
         (_llama(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=63), {}, r"must divide the output width \(63\) of mlp.gate_proj in DecoderLayer"),
-        (lambda: build("hf", 4, "sgd"), {}, r"does not know the anatomy of HFStyleLayer: .* pass tp_plan="),
+        (lambda: build("hf", 4, "sgd"), {}, r"(?s)no anatomy of HFStyleLayer serves tensor parallelism.*tp_plan="),
         (_gpt(n_layer=2, n_head=2, n_embd=16), {"tp_plan": {"attn.nothing*": "colwise"}}, r"tp_plan pattern 'attn.nothing\*' matches nothing in Block"),
         (_gpt(n_layer=2, n_head=2, n_embd=16), {"tp_plan": {"attn.c_attn": "diagonal"}}, r"tp_plan\['attn.c_attn'\] = 'diagonal'; choose one of"),
         (_llama(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64), {"adapter": "broken"}, r"adapter 'broken' does not reproduce DecoderLayer"),
@@ -187,7 +187,7 @@ def test_helix_refuses_tensor_parallelism():
 
 def _norm_input_lengths(rank, world_size, model):
 
-    from lightning_parallel.pipeline.trunk import discover_trunk
+    from lightning_parallel.trunk import discover_trunk
 
     module, data = build(model, 8, "sgd")
     block = discover_trunk(module).blocks[0]
@@ -204,5 +204,25 @@ def test_sequence_parallel_norms_see_half_the_sequence(model):
     from tests.helpers.parity import SEQ_LEN
 
     for seen in run_distributed(_norm_input_lengths, 2, model, init_process_group=False):
-        # two whole-sequence calls verify the adapter on unsharded copies, then every call sees its half
-        assert seen[:2] == [SEQ_LEN, SEQ_LEN] and seen[2:] and set(seen[2:]) == {SEQ_LEN // 2}, seen
+        # verification runs the block's own forward on a whole-sequence copy, then the composed stack (on a
+        # copy, then for real) sees its half in every call
+        assert seen[0] == SEQ_LEN and seen[1:] and set(seen[1:]) == {SEQ_LEN // 2}, seen
+
+
+def _fit_tp_sp(rank, world_size, mode):
+    from lightning_parallel.anatomy.adapters import ADAPTERS
+
+    ADAPTERS["broken"] = _Broken()
+    module, data = _llama(n_layer=2, n_head=8, n_kv_head=4, dim=64, mlp_hidden=64)()
+    strategy = HybridParallelStrategy(
+        data_parallel_size=1, tensor_parallel_size=2, sequence_parallel_size=2, sequence_parallel_mode=mode,
+        adapter="broken",
+    )  # fmt: skip
+    quick_fit(module, data, strategy, 4, steps=1)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_tp2_x_sp2_refuses_a_broken_adapter(mode):
+    # verification runs after the whole stack (tensor, then sequence parallelism) is built, on every rank
+    with pytest.raises(RankFailed, match=r"adapter 'broken' does not reproduce DecoderLayer: output"):
+        run_distributed(_fit_tp_sp, 4, mode, init_process_group=False, timeout=90)

@@ -6,7 +6,8 @@ from torch import nn
 
 from examples.models import GPT, EncoderClassifier, Llama
 from lightning_parallel.pipeline.microbatch import split_microbatches
-from lightning_parallel.pipeline.trunk import discover_trunk, free_blocks, parameter_bytes, place_blocks
+from lightning_parallel.pipeline.placement import place_blocks
+from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_bytes
 from tests.helpers.models import HFStyleDecoder
 
 

@@ -149,6 +149,7 @@ def test_mlp_chunks_shrink_the_largest_mlp_tensor_by_k(family, k):
     largest = {}
     for chunks in (1, k):
         apply_recompute(model, "none", mlp_chunks=chunks)
+        _loss(model, family, _batch(family))  # the first call locates (and verifies) the MLP to chunk
         with LiveTensorTracker() as tracker:
             run_mlp(block, x).sum().backward()
         largest[chunks] = tracker.largest
@@ -156,11 +157,15 @@ def test_mlp_chunks_shrink_the_largest_mlp_tensor_by_k(family, k):
 
 
 def test_every_n_wraps_every_nth_block_and_reapplying_replaces():
+    from lightning_parallel.recompute import Recomputed
+
     model = apply_recompute(_model("gpt"), "every_n", every_n=2)
-    wrapped = ["forward" in b.__dict__ for b in model.transformer.h]
+    _loss(model, "gpt", _batch("gpt"))
+    wrapped = [isinstance(b.forward.stack, Recomputed) for b in model.transformer.h]
     assert wrapped == [True, False, True, False]
     apply_recompute(model, "none")
-    assert not any("forward" in b.__dict__ for b in model.transformer.h)
+    _loss(model, "gpt", _batch("gpt"))
+    assert not any(isinstance(b.forward.stack, Recomputed) for b in model.transformer.h)
 
 
 def test_bad_input():
@@ -185,9 +190,14 @@ def test_bad_input():
 
     holder = nn.Module()
     holder.blocks = nn.ModuleList([NoMLP(), NoMLP()])
-    with pytest.raises(ValueError, match=r"mlp_chunks=2: cannot locate the MLP of NoMLP .* mlp_module='path.in.block'"):
-        apply_recompute(holder, "none", mlp_chunks=2)
-    apply_recompute(holder, "none", mlp_chunks=2, mlp_module="proj")  # the adapter argument fixes it
+    apply_recompute(holder, "none", mlp_chunks=2)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)no anatomy of NoMLP serves a chunked MLP \(mlp_chunks=2\); tried:.*mlp_module='path.in.block'",
+    ):
+        holder.blocks[0](torch.randn(2, 4, 8))
+    apply_recompute(holder, "none", mlp_chunks=2, mlp_module="proj")  # the argument the error names fixes it
+    holder.blocks[0](torch.randn(2, 4, 8))
     apply_recompute(holder, "no_attention")
     with pytest.raises(
         ValueError, match=r"recompute='no_attention': no attention kernel ran inside NoMLP.*attention_kernels="

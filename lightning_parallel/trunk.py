@@ -1,5 +1,5 @@
-"""The trunk: the container of repeated blocks that carries the hidden state (DESIGN §2), and the
-placement of its blocks on pipeline stages.
+"""The trunk: the container of repeated blocks that carries the hidden state (docs/design.md, "The trunk"),
+found once per set-up and passed to every feature that acts on blocks.
 
 Discovery is static: the heaviest ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` holding two
 or more children of one class, or the container named by ``trunk="dotted.path"``. The first training
@@ -82,32 +82,6 @@ def discover_trunk(module: nn.Module, trunk: str | None = None) -> Trunk:
     if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
         raise ValueError(f"the blocks of trunk {path!r} ({type(blocks[0]).__name__}) take no hidden-state argument")
     return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name)
-
-
-def place_blocks(num_blocks: int, num_chunks: int, layers_per_chunk: list[int] | None = None) -> list[range]:
-    """Consecutive block ranges, one per model chunk; balanced (earlier chunks take the remainder) by default."""
-    if layers_per_chunk is not None:
-        if len(layers_per_chunk) != num_chunks:
-            raise ValueError(
-                f"layers_per_stage has {len(layers_per_chunk)} entries, the pipeline has {num_chunks} chunks"
-            )
-        if any(not isinstance(n, int) or n < 1 for n in layers_per_chunk):
-            raise ValueError(f"layers_per_stage={layers_per_chunk}: every stage needs at least one block")
-        if sum(layers_per_chunk) != num_blocks:
-            total = sum(layers_per_chunk)
-            raise ValueError(
-                f"layers_per_stage={layers_per_chunk} sums to {total}, but the trunk has {num_blocks} blocks"
-            )
-        counts = list(layers_per_chunk)
-    else:
-        if num_blocks < num_chunks:
-            raise ValueError(
-                f"{num_chunks} pipeline chunks need at least {num_chunks} blocks; the trunk has {num_blocks}"
-            )
-        q, r = divmod(num_blocks, num_chunks)
-        counts = [q + (c < r) for c in range(num_chunks)]
-    starts = [sum(counts[:c]) for c in range(num_chunks)]
-    return [range(s, s + n) for s, n in zip(starts, counts)]
 
 
 def free_blocks(blocks: list[nn.Module]) -> None:

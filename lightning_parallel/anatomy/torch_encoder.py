@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, call: Call) -> Tensor:
     """``F.linear``; with a column-sharded DTensor weight (tensor parallelism), the input enters as a
-    replicated DTensor (its gradient is all-reduced) and this rank's output columns come back."""
+    replicated DTensor (its gradient is all-reduced; a sequence shard is all-gathered first) and this
+    rank's output columns come back."""
     if not isinstance(weight, DTensor):
         return F.linear(x, weight, bias)
-    layout = getattr(weight, "_lp_input_layout", None) or Replicate()  # Shard(1) under sequence parallelism
+    layout = Shard(1) if call.sequence_sharded else Replicate()
     x = DTensor.from_local(x, weight.device_mesh, [layout], run_check=False).redistribute(placements=[Replicate()])
     return F.linear(x, weight, bias).to_local()
 
@@ -21,14 +24,14 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 class TorchEncoderAdapter:
     name = "torch_encoder"
 
-    def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
-        return ("self_attn.in_proj_weight", "self_attn.in_proj_bias") + (("norm1",) if block.norm_first else ())
-
     def matches(self, block: nn.Module) -> bool:
         return isinstance(block, nn.TransformerEncoderLayer)
 
-    def attention_info(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[bool, float | None, float, object]:
-        return False, None, block.self_attn.dropout if block.training else 0.0, None
+    def pre_modules(self, block: nn.Module) -> tuple[str, ...]:
+        return ("self_attn.in_proj_weight", "self_attn.in_proj_bias") + (("norm1",) if block.norm_first else ())
+
+    def attention_call(self, block: nn.Module, args: tuple, kwargs: dict) -> AttentionCall:
+        return AttentionCall(False, None, block.self_attn.dropout if block.training else 0.0, None)
 
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
         return args, kwargs  # no argument of pre/post carries the sequence (a mask is used by attention only)
@@ -40,7 +43,10 @@ class TorchEncoderAdapter:
         return {"self_attn.in_proj_weight": "colwise_qkv", "self_attn.out_proj": "rowwise", "linear1": "colwise",
                 "linear2": "rowwise"}  # fmt: skip
 
-    def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[tuple[Tensor, ...], Tensor]:
+    def mlp(self, block: nn.Module) -> tuple[nn.Module, str, int] | None:
+        return block, "_ff_block", 1 if block.self_attn.batch_first else 0
+
+    def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, call: Call = PLAIN) -> tuple[QKV, State]:
         if args or any(v is not None and v is not False for v in kwargs.values()):
             raise ValueError("the torch_encoder adapter supports unmasked calls only")
         mha = block.self_attn
@@ -48,17 +54,16 @@ class TorchEncoderAdapter:
         if not mha.batch_first:
             h = h.transpose(0, 1)  # (B, T, E)
         head_dim = h.shape[-1] // mha.num_heads
-        qkv = _linear(h, mha.in_proj_weight, mha.in_proj_bias)  # under TP: this rank's heads, whole sequence
+        qkv = _linear(h, mha.in_proj_weight, mha.in_proj_bias, call)  # under TP: this rank's heads, whole sequence
         B, T, _ = qkv.shape
         q, k, v = qkv.chunk(3, dim=-1)
         heads = lambda t: t.view(B, T, -1, head_dim).transpose(1, 2)  # noqa: E731
-        return (heads(q), heads(k), heads(v)), x
+        return (heads(q), heads(k), heads(v)), (x,)
 
-    def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
-        p = block.self_attn.dropout if block.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
-
-    def post(self, block: nn.Module, out: Tensor, residual: Tensor, args: tuple, kwargs: dict) -> Tensor:
+    def post(
+        self, block: nn.Module, out: Tensor, state: State, args: tuple, kwargs: dict, call: Call = PLAIN
+    ) -> Tensor:
+        (residual,) = state
         mha = block.self_attn
         B, nh, T, hd = out.shape
         sa = mha.out_proj(out.transpose(1, 2).reshape(B, T, nh * hd))

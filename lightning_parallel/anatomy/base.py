@@ -1,0 +1,88 @@
+"""The vocabulary every anatomy speaks: a block's split into pre-attention / attention / post-attention
+(HelixPipe, Zhang et al., arXiv 2507.00394, §2.1), the attention call's parameters, and how a source
+of anatomy says "not me".
+
+``post(attention(pre(x)))`` must equal ``block(x)``:
+
+- ``pre(block, x, args, kwargs, call) -> ((q, k, v), state)``: normalisation, projections, rotary
+  embedding; ``q, k, v`` are ``(B, heads, T, head_dim)``; ``state`` is every tensor ``post`` needs from
+  before attention (the residual, and e.g. the normalised input of a parallel-residual block);
+- ``attention(block, q, k, v, args, kwargs) -> out``: the attention core; it holds no parameters, so it
+  can run on any stage (the block's module object supplies only attributes);
+- ``post(block, out, state, args, kwargs, call) -> y``: output projection, residuals, MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+State = tuple[Tensor, ...]
+QKV = tuple[Tensor, Tensor, Tensor]
+
+
+class Unsupported(Exception):
+    """A source of anatomy cannot provide what this configuration needs; the message says why."""
+
+
+class ConfigurationError(ValueError):
+    """The configuration cannot run on this block whatever its anatomy (a sequence length or head count that
+    does not divide): raised as it is, never taken as a reason to try another source."""
+
+
+class AnatomyError(ValueError):
+    """No source of anatomy could serve a block: names the block, each source tried and why it failed."""
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The parameters of one call of a block's attention core (what ring attention must reproduce)."""
+
+    causal: bool
+    scale: float | None
+    dropout: float
+    mask: Tensor | None
+    softcap: float | None = None  # logit soft-capping (Gemma 2), which ring attention does not run
+
+
+@dataclass(frozen=True)
+class Call:
+    """How this call of a block's parts runs on this rank (passed explicitly, never stored on modules).
+
+    ``sequence_sharded``: Megatron-style sequence parallelism inside tensor parallelism (activations
+    between the projections hold 1/tp of the tokens). ``attention``: a replacement for the attention core
+    (sequence parallelism's distributed attention), called as ``attention(q, k, v, inner, call_info)``.
+    """
+
+    sequence_sharded: bool = False
+    attention: Callable[..., Tensor] | None = None
+
+
+PLAIN = Call()
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
+    """``F.scaled_dot_product_attention`` with the parameters of ``call`` (grouped-query aware)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=call.mask, dropout_p=call.dropout, is_causal=call.causal and call.mask is None,
+        scale=call.scale, enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Split:
+    """A block cut at its attention call, verified against the block's own forward before use."""
+
+    name: str
+    pre: Callable[[nn.Module, Tensor, tuple, dict], tuple[QKV, State]]
+    attention: Callable[[nn.Module, Tensor, Tensor, Tensor, tuple, dict], Tensor]
+    post: Callable[[nn.Module, Tensor, State, tuple, dict], Tensor]
+    pre_parameters: frozenset[str]  # names (relative to the block) of the parameters ``pre`` uses
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        (q, k, v), state = self.pre(block, x, args, kwargs)
+        return self.post(block, self.attention(block, q, k, v, args, kwargs), state, args, kwargs)

@@ -1,0 +1,88 @@
+"""Where a block's anatomy comes from, in order; the first source that verifies wins:
+
+1. an explicit ``adapter=`` (a hand-written adapter's name or the user's object); if it fails, that is
+   the error (no fall-through);
+2. the hand-written adapters whose attribute names match the block (fast paths);
+3. the block's own forward, where the user named what it lacks (``tp_plan=``, ``mlp_module=``);
+4. otherwise an :class:`~lightning_parallel.anatomy.base.AnatomyError` naming the block class, every
+   source tried, why each failed, and ``adapter=``.
+
+The first block of a trunk decides the source; the trunk's other blocks use the same one (each still
+verified).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
+from lightning_parallel.anatomy.base import Unsupported
+
+SOURCES = ("adapters", "own_forward")
+
+
+def candidates(
+    block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any, winner: str | None = None
+) -> Iterator[tuple[str, Any]]:
+    """``(source, anatomy)`` in the order to try, or ``(source, Unsupported(reason))`` for a source that
+    cannot serve; with ``winner`` (the source an earlier block of the trunk verified with) only that one."""
+    if config.adapter is not None:
+        yield "adapter=", AdapterAnatomy(named_adapter(config.adapter))
+        return
+    for source, anatomy in _all(block, sample, config):
+        if winner is None or source == winner:
+            yield source, anatomy
+
+
+def _all(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> Iterator[tuple[str, Any]]:
+    for source in config.sources:
+        if source == "adapters":
+            for adapter in matching_adapters(block):
+                yield f"adapter {adapter.name!r}", AdapterAnatomy(adapter)
+        elif source == "hugging_face":
+            from lightning_parallel.anatomy import hugging_face
+
+            yield "hugging_face", _attempt(lambda: hugging_face.anatomy_of(block, config))
+        elif source == "own_forward" and (config.tp_plan is not None or config.mlp_module is not None):
+            from lightning_parallel.anatomy.own import OwnAnatomy
+
+            yield "own forward", _attempt(lambda: OwnAnatomy.of(block, config))
+        elif source == "traced":
+            from lightning_parallel.anatomy import traced
+
+            yield "traced", _attempt(lambda: traced.anatomy_of(block, sample, config))
+
+
+def _attempt(make: Any) -> Any:
+    try:
+        return make()
+    except Unsupported as reason:
+        return reason
+
+
+def features(config: Any) -> str:
+    wanted = []
+    if config.tp > 1:
+        wanted.append(f"tensor parallelism (tensor_parallel_size={config.tp})")
+    if config.sp > 1:
+        wanted.append(f"sequence parallelism ({config.sp_mode}, sequence_parallel_size={config.sp})")
+    if config.mlp_chunks > 1:
+        wanted.append(f"a chunked MLP (mlp_chunks={config.mlp_chunks})")
+    return ", ".join(wanted) or "nothing"
+
+
+def explain(block: nn.Module, config: Any, reasons: list[str]) -> str:
+    tried = "".join(f"\n  - {r}" for r in reasons) or " none applies"
+    hints = []
+    if config.mlp_chunks > 1 and config.tp == 1 and config.sp == 1:
+        hints.append("name the MLP with mlp_module='path.in.block'")
+    if config.tp > 1 and config.sp == 1:
+        hints.append("name the projections with tp_plan={'pattern': 'colwise' | 'rowwise' | 'colwise_qkv'}")
+    return (
+        f"no anatomy of {type(block).__name__} serves {features(config)}; tried:{tried}\n"
+        f"{''.join(h + ', or ' for h in hints)}pass adapter= (one of {sorted(ADAPTERS)}, or an object with"
+        " pre/attention_call/post, see lightning_parallel.anatomy.adapters.BlockAdapter)"
+    )

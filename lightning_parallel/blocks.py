@@ -1,0 +1,424 @@
+"""The block layer: one explicit composition per trunk block, built once from the block's anatomy, the
+mesh and the policies, and verified after the whole stack is installed.
+
+A :class:`BlockRunner` is the block's forward (an instance attribute: the class is untouched, module
+hooks still fire). On its first call with a real input it resolves the block's anatomy where a feature
+needs one (:mod:`lightning_parallel.anatomy`: ``adapter=``, the hand-written adapters, Hugging Face
+metadata, the traced graph, in that order; the first that verifies wins), composes the stack, verifies
+it, and only then commits it to the block (shards its parameters, replaces them in the optimizers).
+The stack, innermost first:
+
+1. **tensor parallelism**: parameters sharded per the anatomy's plan, and the forward that runs on
+   the shards (the block's own, a hand-written split forward, or the traced graph localised);
+2. **chunked MLP**: inside that forward (the MLP over sequence slices);
+3. **sequence parallelism**: the block's tokens scattered on entry and gathered on exit, its
+   sequence-carrying arguments sliced, its attention core distributed (Ulysses or ring); or, inside
+   tensor parallelism, Megatron-style sequence sharding between the projections;
+4. **recomputation**: outermost, so that under tensor or sequence parallelism its policies keep the
+   outputs of the collectives of 1-3 instead of running them again;
+5. **verification** of the whole stack against the block's own forward (float64, first real input).
+
+Pipeline placement comes before all of it (a rank composes only the blocks it runs); data parallelism
+after (gradients). Nothing links the layers but this composition: no attributes on modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.anatomy import resolve
+from lightning_parallel.anatomy.base import AnatomyError, ConfigurationError
+from lightning_parallel.anatomy.verify import verify
+from lightning_parallel.recompute import Recomputed, resolve_op, validate
+from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, has_dropout
+from lightning_parallel.tensor_parallel import TensorParallelLayout
+
+Forward = Callable[..., Any]  # (block, x, args, kwargs, shard) -> output
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """What this rank applies to each trunk block it runs."""
+
+    tp_mesh: DeviceMesh | None = None
+    """1-D mesh of the tensor-parallel group (``None``: no tensor parallelism)."""
+    tp_plan: Mapping[str, str] | None = None
+    """A user plan (``{"name pattern inside a block": style}``), replacing the anatomy's."""
+    tp_sequence_parallel: bool = False
+    """Megatron-style sequence sharding of norms, residuals and dropout between the projections."""
+    sp_mesh: DeviceMesh | None = None
+    """1-D mesh of the sequence-parallel group (``None``: no sequence parallelism)."""
+    sp_mode: str = "ulysses"
+    recompute: str = "none"
+    every_n: int = 2
+    mlp_chunks: int = 1
+    mlp_module: str | None = None
+    """Path of the MLP inside a block, where the anatomy does not find it."""
+    attention_kernels: tuple[str, ...] = ()
+    adapter: Any = None
+    """``adapter=``: a hand-written adapter's name or an object implementing the adapter protocol."""
+    sources: tuple[str, ...] = resolve.SOURCES
+    """The sources of anatomy tried after ``adapter=``, in order (tests switch the hand-written ones off)."""
+
+    @property
+    def tp(self) -> int:
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
+
+    @property
+    def sp(self) -> int:
+        return self.sp_mesh.size() if self.sp_mesh is not None else 1
+
+    @property
+    def needs_anatomy(self) -> bool:
+        return self.tp > 1 or self.sp > 1 or self.mlp_chunks > 1
+
+    @property
+    def communicates(self) -> bool:
+        return self.tp > 1 or self.sp > 1
+
+
+@dataclass
+class Layouts:
+    """What the committed stacks sharded, for gradients and checkpoints (filled at commit)."""
+
+    tp: TensorParallelLayout | None = None
+    sp: SequenceParallelLayout | None = None
+
+    @classmethod
+    def for_config(cls, config: BlockConfig) -> Layouts:
+        tp = TensorParallelLayout(config.tp_mesh) if config.tp > 1 else None
+        sp = SequenceParallelLayout(config.sp_mesh, config.sp_mode) if config.sp > 1 else None
+        return cls(tp, sp)
+
+
+# ---------------------------------------------------------------------------------------- the stack
+class OwnForward:
+    """The block's own (class) forward."""
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
+        return type(block).forward(block, x, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> OwnForward:
+        return self
+
+
+class _SequenceParallel:
+    """Step 3: this rank's tokens in, the whole sequence out; the inner forward distributes attention."""
+
+    def __init__(self, inner: Forward, anatomy: Any, mesh: DeviceMesh, mode: str) -> None:
+        self.inner, self.anatomy, self.mesh, self.mode = inner, anatomy, mesh, mode
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        dim = self.anatomy.sequence_dim(block)
+        shard = SequenceShard.of(self.mesh, self.mode, x.shape[dim], x.device)
+        local_args, local_kwargs = self.anatomy.sequence_args(block, args, kwargs, shard.index)
+        mine = shard.scatter(x, dim)
+        if block.training and has_dropout(block):
+            # Dropout on sharded activations: a seed drawn from the (replicated) generator keeps every rank's
+            # stream in step; offset by the rank, each rank's tokens get their own masks. Recomputation
+            # restores the generator first, so it draws the same seed and replays the same masks.
+            seed = int(torch.randint(0, 2**62, (1,)))
+            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                torch.manual_seed(seed + self.mesh.get_local_rank())
+                out = self.inner(block, mine, local_args, local_kwargs, shard)
+        else:
+            out = self.inner(block, mine, local_args, local_kwargs, shard)
+        return _map_first(out, lambda y: shard.gather(y, dim))
+
+    def __deepcopy__(self, memo: dict) -> _SequenceParallel:
+        return self
+
+
+class _TokenShard:
+    """Step 3 inside tensor parallelism (Korthikanti et al., arXiv 2205.05198): the block holds 1/tp of the
+    tokens between its projections; it takes its slice on entry and all-gathers its output on exit."""
+
+    def __init__(self, inner: Forward, mesh: DeviceMesh) -> None:
+        self.inner, self.mesh = inner, mesh
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        tp, T = self.mesh.size(), x.shape[1]
+        if T % tp:
+            raise ConfigurationError(
+                f"tp_sequence_parallel=True needs the sequence length ({T}) to be divisible by"
+                f" tensor_parallel_size ({tp}); pad the batch or turn tp_sequence_parallel off"
+            )
+        shard = SequenceShard.of(self.mesh, "ulysses", T, x.device)
+        out = self.inner(block, shard.scatter(x, 1), args, kwargs, None)
+        return _map_first(out, lambda y: shard.gather(y, 1))
+
+    def __deepcopy__(self, memo: dict) -> _TokenShard:
+        return self
+
+
+class _Plain:
+    """No sequence split: the inner forward with ``shard=None``."""
+
+    def __init__(self, inner: Forward) -> None:
+        self.inner = inner
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        return self.inner(block, x, args, kwargs, None)
+
+    def __deepcopy__(self, memo: dict) -> _Plain:
+        return self
+
+
+def _map_first(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(out, Tensor):
+        return fn(out)
+    return type(out)([fn(out[0]), *out[1:]])
+
+
+def compose(block: nn.Module, index: int, anatomy: Any, config: BlockConfig, layouts: Layouts,
+            prefix: str = "") -> Callable[[nn.Module, Tensor, tuple, dict], Any]:  # fmt: skip
+    """Apply ``config`` to ``block`` (in place: parameters sharded, MLP chunked) and return its forward
+    ``(block, x, args, kwargs)``, in the order of the module docstring. ``anatomy`` is ``None`` when no
+    feature needs one (recomputation alone)."""
+    if anatomy is None:
+        inner: Forward = OwnForward()
+    else:  # steps 1 and 2, in the anatomy's own way
+        inner = anatomy.local_forward(block, config, layouts.tp, prefix)
+    if config.sp > 1:
+        heads = anatomy.heads(block)
+        check_heads(*heads, config.sp, config.sp_mode, type(block).__name__, config.tp)
+        stack: Any = _SequenceParallel(inner, anatomy, config.sp_mesh, config.sp_mode)
+        if layouts.sp is not None:
+            layouts.sp.partial += list(block.parameters())
+    elif config.tp_sequence_parallel and config.tp > 1:
+        stack = _TokenShard(inner, config.tp_mesh)
+    else:
+        stack = _Plain(inner)
+    policy = config.recompute
+    if policy == "every_n":
+        policy = "full" if index % config.every_n == 0 else "none"
+    if policy != "none":
+        extra = frozenset(resolve_op(name) for name in config.attention_kernels)
+        stack = Recomputed(stack, policy, type(block).__name__, extra, keep_communication=config.communicates)
+    return stack
+
+
+# ------------------------------------------------------------------------------------------ runner
+class BlockRunner:
+    """The forward of one trunk block under this rank's stack (see the module docstring)."""
+
+    def __init__(self, layer: BlockLayer | None, index: int, block: nn.Module) -> None:
+        self.layer, self.index, self.block = layer, index, block
+        self.stack: Callable[..., Any] | None = None
+        self.anatomy_name: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x, rest, kw = _split_hidden(self.block, args, kwargs, self.layer.hidden_name if self.layer else None)
+        if self.stack is None:
+            assert self.layer is not None
+            self.layer.install_runner(self, x, rest, kw)
+        assert self.stack is not None
+        return self.stack(self.block, x, rest, kw)
+
+    def __deepcopy__(self, memo: dict) -> BlockRunner:
+        """A copy of the block runs the copy: the stack holds no module, only the runner does."""
+        block = memo.get(id(self.block), self.block)
+        layer = self.layer
+        if self.stack is None and layer is not None:  # a pending copy resolves on its own, changing no optimizer
+            layer = BlockLayer(layer.trunk, layer.config, Layouts.for_config(layer.config))
+        new = BlockRunner(layer, self.index, block)
+        new.stack, new.anatomy_name = self.stack, self.anatomy_name
+        return new
+
+
+def _split_hidden(block: nn.Module, args: tuple, kwargs: dict, name: str | None) -> tuple[Tensor, tuple, dict]:
+    if args:
+        return args[0], args[1:], kwargs
+    if name is None:
+        import inspect
+
+        name = list(inspect.signature(type(block).forward).parameters)[1]
+    kwargs = dict(kwargs)
+    if name not in kwargs:
+        raise TypeError(f"{type(block).__name__} was called without its hidden state {name!r}")
+    return kwargs.pop(name), (), kwargs
+
+
+@dataclass
+class BlockLayer:
+    """The composed blocks of one trunk on this rank, and what their commits changed."""
+
+    trunk: Any
+    config: BlockConfig
+    layouts: Layouts = field(default_factory=Layouts)
+    on_replace: Callable[[list[tuple[nn.Parameter, nn.Parameter, str]]], None] | None = None
+    """Called at commit with ``(old parameter, new parameter, full name)`` of each replaced parameter."""
+    runners: dict[int, BlockRunner] = field(default_factory=dict)
+    winner: str | None = None  # the source of anatomy the first block verified with (the others use it too)
+
+    def __post_init__(self) -> None:
+        validate(self.config.recompute, self.config.every_n, self.config.mlp_chunks)
+
+    @property
+    def hidden_name(self) -> str | None:
+        return self.trunk.hidden_name if self.trunk is not None else None
+
+    def install(self, blocks: Iterable[tuple[int, nn.Module]]) -> BlockLayer:
+        """Make each ``(index, block)`` run through a pending :class:`BlockRunner`."""
+        for index, block in blocks:
+            runner = BlockRunner(self, index, block)
+            block.forward = runner
+            self.runners[index] = runner
+        return self
+
+    def uninstall(self) -> None:
+        for runner in self.runners.values():
+            if runner.block.__dict__.get("forward") is runner:
+                del runner.block.forward
+        self.runners = {}
+
+    def prefix(self, index: int) -> str:
+        if self.trunk is None:
+            return ""
+        name = list(dict(self.trunk.container.named_children()))[index]
+        return f"{self.trunk.path}.{name}."
+
+    def groups(self) -> list[Any]:
+        return [m.get_group() for m in (self.config.tp_mesh, self.config.sp_mesh) if m is not None and m.size() > 1]
+
+    # ------------------------------------------------------------------------------ commit
+    def install_runner(self, runner: BlockRunner, x: Tensor, args: tuple, kwargs: dict) -> None:
+        """Resolve, verify and commit ``runner``'s stack on its first real input."""
+        block, config = runner.block, self.config
+        if not config.needs_anatomy:
+            runner.stack = compose(block, runner.index, None, config, self.layouts)
+            return
+        with torch.inference_mode(False), torch.enable_grad():
+            sample = _normal((x, args, kwargs))
+            build = lambda anatomy: self._candidate(runner.index, anatomy)  # noqa: E731
+            self.winner, anatomy = first_verified(block, sample, config, self.winner, build, self.groups())
+            self._commit(runner, anatomy)
+
+    def _candidate(self, index: int, anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
+        config = self.config
+
+        def build(copy_: nn.Module) -> tuple[Any, Any]:
+            layouts = Layouts.for_config(config)
+            stack = compose(copy_, index, anatomy, config, layouts)
+            return (lambda m, x, a, kw: stack(m, x, a, kw)), (lambda m: _single_process_gradients(m, layouts))
+
+        return build
+
+    def _commit(self, runner: BlockRunner, anatomy: Any) -> None:
+        block = runner.block
+        before = dict(block.named_parameters())
+        runner.stack = compose(block, runner.index, anatomy, self.config, self.layouts, self.prefix(runner.index))
+        runner.anatomy_name = anatomy.name
+        after = dict(block.named_parameters())
+        prefix = self.prefix(runner.index)
+        replaced = [(before[n], after[n], f"{prefix}{n}") for n in before if n in after and after[n] is not before[n]]
+        if replaced and self.on_replace is not None:
+            self.on_replace(replaced)
+
+
+def first_verified(
+    block: nn.Module,
+    sample: tuple[Tensor, tuple, dict],
+    config: BlockConfig,
+    winner: str | None,
+    build: Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]],
+    groups: list[Any],
+) -> tuple[str, Any]:
+    """``(source, anatomy)`` of the first source (:mod:`lightning_parallel.anatomy.resolve`) whose candidate
+    ``build(anatomy)`` verifies against ``block`` on ``sample``; an explicit ``adapter=`` that fails is the
+    error; when none verifies, an :class:`AnatomyError` names every source tried and why. A source whose
+    code serves the whole family (``family_level``: an adapter, the model's own forward) is verified on the
+    trunk's first block; a traced graph on every block it serves."""
+    x, args, kwargs = sample
+    reasons: list[str] = []
+    for source, anatomy in resolve.candidates(block, sample, config, winner):
+        if isinstance(anatomy, Exception):
+            reasons.append(f"{source}: {anatomy}")
+            continue
+        if winner is not None and getattr(anatomy, "family_level", False):
+            return source, anatomy  # the family's code verified on the trunk's first block
+        try:
+            verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups)
+        except ConfigurationError:
+            raise
+        except Exception as err:  # noqa: BLE001  (the next source may serve this block)
+            if source == "adapter=":
+                raise type(err)(f"{err}; pass adapter= with one that matches this block family") from err
+            reasons.append(f"{source}: {err}")
+            continue
+        return source, anatomy
+    raise AnatomyError(resolve.explain(block, config, reasons))
+
+
+def _normal(value: Any) -> Any:
+    """Inference-mode tensors (a first call under ``trainer.validate``) as normal tensors for autograd."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) and t.is_inference() else t, value)
+
+
+def _single_process_gradients(module: nn.Module, layouts: Layouts) -> dict[str, Tensor]:
+    """The gradients of a composed copy as one process would hold them: DTensor partial sums reduced,
+    replicated parameters that saw a token shard summed over their group, shards gathered whole."""
+    from lightning_parallel import _collectives
+
+    grads: dict[str, Tensor] = {}
+    partial_tp = {id(p) for p in (layouts.tp.partial if layouts.tp else [])}
+    partial_sp = {id(p) for p in (layouts.sp.partial if layouts.sp else [])}
+    for name, p in module.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            g = g.redistribute(placements=p.placements)
+        if id(p) in partial_tp:
+            g = g.clone()
+            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], layouts.tp.mesh.get_group())
+        if id(p) in partial_sp:
+            g = g.clone()
+            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], layouts.sp.mesh.get_group())
+        grads[name] = layouts.tp.to_full(name, g) if layouts.tp is not None else g
+    return grads
+
+
+def uninstall_runners(blocks: Iterable[nn.Module]) -> None:
+    """Remove block runners (and the MLP chunking they installed) from ``blocks``."""
+    from lightning_parallel.recompute import unchunk_mlps
+
+    for block in blocks:
+        if isinstance(block.__dict__.get("forward"), BlockRunner):
+            del block.forward
+        unchunk_mlps(block)
+
+
+def parallelize(module: nn.Module, config: BlockConfig, *, trunk: str | None = None) -> BlockLayer:
+    """Compose every trunk block of ``module`` under ``config`` (in place; no Lightning needed): the blocks
+    resolve, verify and commit their stacks on their first call. Returns the layer (its ``layouts`` hold
+    what gradients and checkpoints need)."""
+    from lightning_parallel.anatomy.families import prepare_model
+    from lightning_parallel.trunk import discover_trunk
+
+    found = discover_trunk(module, trunk)
+    uninstall_runners(found.blocks)
+    prepare_model(module)
+    return BlockLayer(found, config, Layouts.for_config(config)).install(enumerate(found.blocks))
+
+
+__all__ = [
+    "BlockConfig",
+    "BlockLayer",
+    "BlockRunner",
+    "Layouts",
+    "OwnForward",
+    "compose",
+    "first_verified",
+    "parallelize",
+    "uninstall_runners",
+]
