@@ -64,8 +64,9 @@ class BlockConfig:
     attention_kernels: tuple[str, ...] = ()
     adapter: Any = None
     """``adapter=``: a hand-written adapter's name or an object implementing the adapter protocol."""
-    sources: tuple[str, ...] = resolve.SOURCES
-    """The sources of anatomy tried after ``adapter=``, in order (tests switch the hand-written ones off)."""
+    sources: tuple[str, ...] | None = None
+    """The sources of anatomy tried after ``adapter=``, in order; ``None``: all of
+    :data:`lightning_parallel.anatomy.resolve.SOURCES` (tests narrow them, e.g. without the hand-written adapters)."""
 
     @property
     def tp(self) -> int:

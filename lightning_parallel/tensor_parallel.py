@@ -115,10 +115,10 @@ def expand_plan(block: nn.Module, user_plan: dict[str, str]) -> dict[str, str]:
     plan: dict[str, str] = {}
     for pattern, style in user_plan.items():
         if style not in STYLES:
-            raise ValueError(f"tp_plan[{pattern!r}] = {style!r}; choose one of {STYLES}")
+            raise ConfigurationError(f"tp_plan[{pattern!r}] = {style!r}; choose one of {STYLES}")
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            raise ValueError(f"tp_plan pattern {pattern!r} matches nothing in {type(block).__name__}")
+            raise ConfigurationError(f"tp_plan pattern {pattern!r} matches nothing in {type(block).__name__}")
         plan.update(dict.fromkeys(hits, style))
     return plan
 

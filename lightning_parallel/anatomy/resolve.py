@@ -4,7 +4,8 @@
    the error (no fall-through);
 2. the hand-written adapters whose attribute names match the block (fast paths);
 3. the block's own forward, where the user named what it lacks (``tp_plan=``, ``mlp_module=``);
-4. otherwise an :class:`~lightning_parallel.anatomy.base.AnatomyError` naming the block class, every
+4. the block's graph, traced on the first real input: :mod:`lightning_parallel.anatomy.traced`;
+5. otherwise an :class:`~lightning_parallel.anatomy.base.AnatomyError` naming the block class, every
    source tried, why each failed, and ``adapter=``.
 
 The first block of a trunk decides the source; the trunk's other blocks use the same one (each still
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
 from lightning_parallel.anatomy.base import Unsupported
 
-SOURCES = ("adapters", "own_forward")
+SOURCES = ("adapters", "own_forward", "traced")
 
 
 def candidates(
@@ -38,7 +39,7 @@ def candidates(
 
 
 def _all(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> Iterator[tuple[str, Any]]:
-    for source in config.sources:
+    for source in config.sources if config.sources is not None else SOURCES:
         if source == "adapters":
             for adapter in matching_adapters(block):
                 yield f"adapter {adapter.name!r}", AdapterAnatomy(adapter)

@@ -52,6 +52,25 @@ def float64_copy(block: nn.Module) -> nn.Module:
         return copy.deepcopy(block).double()
 
 
+def meta_copy(block: nn.Module) -> nn.Module:
+    """A float64 copy of ``block`` on the ``meta`` device (no data copied; a DTensor parameter becomes its
+    global shape), without the block layer's runner and chunked MLP: the plain block, for tracing."""
+    from lightning_parallel.recompute import unchunk_mlps
+
+    def empty(t: Tensor) -> Tensor:
+        return torch.empty(t.shape, dtype=torch.float64 if t.is_floating_point() else t.dtype, device="meta")
+
+    memo: dict[int, Any] = {}
+    for p in block.parameters():
+        memo[id(p)] = nn.Parameter(empty(p), requires_grad=p.requires_grad)
+    for b in block.buffers():
+        memo[id(b)] = empty(b)
+    with without_forward(block):
+        copied = copy.deepcopy(block, memo)
+    unchunk_mlps(copied)
+    return copied
+
+
 def first_tensor(out: Any) -> Tensor:
     return out if isinstance(out, Tensor) else out[0]
 

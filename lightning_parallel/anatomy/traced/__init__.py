@@ -1,0 +1,129 @@
+"""Anatomy of any block, from its own forward traced on the first real input (``torch.export``, the
+sequence length symbolic; :mod:`.program`), with no hand-written knowledge of its family:
+
+- :mod:`.analysis` finds the attention call, the head counts, which dimension of the hidden state is the
+  sequence, the arguments that carry it and the positions the block creates over it;
+- :mod:`.sequence` distributes the attention call and localises those positions (sequence parallelism);
+- :mod:`.tensor` derives the tensor-parallel plan from data flow (projections feeding q, k, v column-wise,
+  the one consuming the attention output row-wise, MLP in/out pairs) and localises the graph's
+  head-count-dependent shapes;
+- :mod:`.regions` finds the MLP by data flow (chunked MLP) and cuts the graph at its attention call
+  into pre / attention / post (HelixPipe).
+
+The result is a graph program per block; the block layer verifies it against the block's own forward
+like every other source of anatomy.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_parallel.anatomy.base import Split, Unsupported
+from lightning_parallel.anatomy.traced.analysis import Site, analyse
+from lightning_parallel.anatomy.traced.program import Program, trace
+
+
+def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> TracedAnatomy:
+    x, args, kwargs = sample
+    if config.tp_sequence_parallel:
+        raise Unsupported("tp_sequence_parallel=True is served by hand-written adapters only")
+    if config.tp > 1 and config.tp_plan is not None:
+        raise Unsupported(
+            "a user's tp_plan= is applied through an adapter or the block's own forward, not a traced graph"
+        )
+    return TracedAnatomy(trace(block, x, args, kwargs), type(block).__name__)
+
+
+class TracedAnatomy:
+    """One block's traced program and what it shows; see the package docstring."""
+
+    family_level = False
+    name = "the traced graph"
+
+    def __init__(self, program: Program, block_name: str) -> None:
+        self.program, self.block_name = program, block_name
+
+    def __deepcopy__(self, memo: dict) -> TracedAnatomy:
+        return self
+
+    @cached_property
+    def _site(self) -> Site | Unsupported:
+        try:
+            return analyse(self.program)
+        except Unsupported as reason:
+            return reason
+
+    @property
+    def site(self) -> Site:
+        site = self._site
+        if isinstance(site, Unsupported):
+            raise site
+        return site
+
+    def heads(self, block: nn.Module) -> tuple[int, int]:
+        return self.site.heads, self.site.kv_heads
+
+    def sequence_dim(self, block: nn.Module) -> int:
+        return self.site.seq_dim
+
+    def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
+        """The arguments that carry the sequence (by the trace's symbols), at this rank's positions."""
+        leaves, spec = tree_flatten(((None, *args), kwargs))
+        sliced, tensor = [], 0
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                tensor += 1
+                for dim in self.site.sequence_inputs.get(tensor, ()):
+                    leaf = leaf.index_select(dim, index)
+            sliced.append(leaf)
+        (_, *new_args), new_kwargs = tree_unflatten(sliced, spec)
+        return tuple(new_args), new_kwargs
+
+    def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> GraphForward:
+        from lightning_parallel.anatomy.traced.sequence import sequence_parallel
+
+        program = self.program
+        if config.tp > 1:
+            from lightning_parallel.anatomy.traced.tensor import tensor_parallel
+
+            program = tensor_parallel(program, self.site, block, config, tp_layout, prefix)
+        if config.mlp_chunks > 1:
+            from lightning_parallel.anatomy.traced.regions import chunk_mlp
+
+            program = chunk_mlp(program, config.mlp_chunks, self.block_name, config.mlp_module)
+        if config.sp > 1:
+            program = sequence_parallel(program, self.site)
+        return GraphForward(program, sequence=config.sp > 1)
+
+    def helix_split(self, block: nn.Module, config: Any) -> Split:
+        from lightning_parallel.anatomy.traced.regions import split
+
+        return split(self.program, self.site, config, self.block_name)
+
+
+class GraphForward:
+    """A transformed program as the block's inner forward: retargeted to the call's dtype and device."""
+
+    def __init__(self, program: Program, sequence: bool) -> None:
+        self.program, self.sequence = program, sequence
+        self._targets: dict[tuple[torch.dtype, torch.device], Program] = {}
+
+    def __deepcopy__(self, memo: dict) -> GraphForward:
+        return self
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
+        if block.training != self.program.training:
+            raise Unsupported(
+                f"the block was traced in {'training' if self.program.training else 'eval'} mode and is now run in"
+                f" {'training' if block.training else 'eval'} mode"
+            )
+        key = (x.dtype, x.device)
+        program = self._targets.get(key)
+        if program is None:
+            program = self._targets[key] = self.program.retargeted(*key)
+        return program(block, x, args, kwargs, *((shard,) if self.sequence else ()))

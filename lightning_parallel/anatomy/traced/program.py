@@ -1,0 +1,229 @@
+"""A block's own forward as a graph: traced once with ``torch.export`` (non-strict, every dimension
+``Dim.AUTO``, so the sequence length stays symbolic) on a float64 copy of the block on the ``meta``
+device, with the first real call's arguments as the example.
+
+The graph is made block-agnostic: its first input is the block, and every parameter and buffer is read
+from it at each call (``_param``: this rank's local part of a DTensor), so the same program runs the real
+block, its float64 verification copy, and the block after its parameters were sharded or freed. The
+tensors among the call's arguments are the other inputs, in the order ``torch.utils._pytree`` flattens
+``(args, kwargs)``; non-tensor arguments are constants of the trace and are checked at each call.
+
+Tracing happens in float64 on ``meta``: the graph then carries ``torch.float64`` wherever the block's code
+derives a dtype from its input (``hidden.to(input_dtype)``) and ``meta`` wherever it derives a device;
+:meth:`Program.retargeted` replaces both by the run's dtype and device (an explicit ``torch.float32`` in
+the block's code stays as it is, in every run).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from lightning_parallel.anatomy.base import Unsupported
+
+
+def _param(block: nn.Module, name: str) -> Tensor:
+    p = block.get_parameter(name)
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _buffer(block: nn.Module, name: str) -> Tensor:
+    return block.get_buffer(name)
+
+
+class _Flat(nn.Module):
+    """``block``'s own forward taking only the call's tensors (the rest are the trace's constants)."""
+
+    def __init__(self, block: nn.Module, spec: TreeSpec, leaves: list[Any]) -> None:
+        super().__init__()
+        self.block, self.spec, self.leaves = block, spec, leaves
+
+    def forward(self, *tensors: Tensor) -> Any:
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(leaf, Tensor) else leaf for leaf in self.leaves]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+
+@dataclass
+class Program:
+    """A traced block: ``gm(block, *tensors, *extra)`` returns the block's flattened outputs."""
+
+    gm: fx.GraphModule
+    spec: TreeSpec  # of (args, kwargs), the hidden state first
+    leaves: list[Any]  # the trace's leaves: tensors (as fake values) and constants
+    out_spec: TreeSpec
+    dtype: torch.dtype = torch.float64
+    device: torch.device = field(default_factory=lambda: torch.device("meta"))
+    extra: tuple[str, ...] = ()  # names of the inputs after the tensors (e.g. a sequence shard)
+    training: bool = True  # the block's mode when traced (dropout and such are constants of the trace)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def tensor_inputs(self) -> list[fx.Node]:
+        """The placeholders of the call's tensors, in flattened order (the hidden state first)."""
+        return [n for n in self.graph.nodes if n.op == "placeholder"][1 : 1 + self.num_tensors]
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(isinstance(leaf, Tensor) for leaf in self.leaves)
+
+    def flatten(self, x: Tensor, args: tuple, kwargs: dict) -> list[Tensor]:
+        """The call's tensors in the order of the graph's inputs; a call the trace does not cover raises."""
+        leaves, spec = tree_flatten(((x, *args), kwargs))
+        if spec != self.spec:
+            raise Unsupported("the block was called with other arguments than when it was traced")
+        tensors = []
+        for leaf, traced in zip(leaves, self.leaves):
+            if isinstance(traced, Tensor):
+                tensors.append(leaf)
+            elif not (leaf is traced or _same_constant(leaf, traced)):
+                raise Unsupported(f"the block was traced with the argument {traced!r}, now called with {leaf!r}")
+        _check_shapes(tensors, self.tensor_inputs())
+        return tensors
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, *extra: Any) -> Any:
+        outputs = self.gm(block, *self.flatten(x, args, kwargs), *extra)
+        return tree_unflatten(list(outputs), self.out_spec)
+
+    def retargeted(self, dtype: torch.dtype, device: torch.device) -> Program:
+        """The same program with the trace's float64 and ``meta`` replaced by ``dtype`` and ``device``."""
+        if dtype == self.dtype and device == self.device:
+            return self
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in self.graph.nodes:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            env[node].args = fx.node.map_aggregate(env[node].args, lambda a: _retarget(a, dtype, device, self))
+            env[node].kwargs = fx.node.map_aggregate(env[node].kwargs, lambda a: _retarget(a, dtype, device, self))
+        root = nn.Module()
+        for name, value in self.gm.named_buffers():
+            root.register_buffer(name, value.to(dtype=dtype if value.is_floating_point() else None, device=device))
+        return replace(self, gm=fx.GraphModule(root, graph), dtype=dtype, device=device)
+
+
+def _retarget(value: Any, dtype: torch.dtype, device: torch.device, program: Program) -> Any:
+    if isinstance(value, torch.dtype) and value == program.dtype:
+        return dtype
+    if isinstance(value, torch.device) and value == program.device:
+        return device
+    return value
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _check_shapes(tensors: list[Tensor], placeholders: list[fx.Node]) -> None:
+    """The trace holds for these shapes: static dims equal, symbolic dims consistent and at least 2 (the
+    trace specialised sizes 0 and 1)."""
+    bound: dict[Any, int] = {}
+    for t, node in zip(tensors, placeholders):
+        fake = node.meta["val"]
+        if t.dim() != fake.dim():
+            raise Unsupported(f"a {t.dim()}-d tensor where the trace had {fake.dim()} dims")
+        for size, traced in zip(t.shape, fake.shape):
+            if isinstance(traced, int):
+                if size != traced:
+                    raise Unsupported(f"shape {tuple(t.shape)} where the trace had {tuple(fake.shape)}")
+                continue
+            expr = traced.node.expr
+            if bound.setdefault(expr, size) != size or size < 2:
+                raise Unsupported(f"shape {tuple(t.shape)} where the trace had {tuple(fake.shape)}")
+
+
+@contextmanager
+def _quiet() -> Any:
+    loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._dynamo", "torch.fx")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def trace(
+    block: nn.Module, x: Tensor, args: tuple, kwargs: dict, attention_route: Callable[[], Any] | None = None
+) -> Program:
+    """Trace ``block``'s own forward on (copies of) this call's arguments; see the module docstring."""
+    from lightning_parallel.anatomy.verify import meta_copy
+
+    meta = meta_copy(block)
+    leaves, spec = tree_flatten(((x, *args), kwargs))
+    leaves = [_to_meta(leaf) for leaf in leaves]
+    tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
+    dims = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
+    context = attention_route() if attention_route is not None else _null()
+    try:
+        with _quiet(), context, torch.autocast("cpu", enabled=False):
+            ep = torch.export.export(_Flat(meta, spec, leaves), tensors, dynamic_shapes={"tensors": dims}, strict=False)
+    except Unsupported:
+        raise
+    except Exception as err:  # noqa: BLE001  (any failure to trace is a reason this source cannot serve)
+        raise Unsupported(f"torch.export could not trace it: {type(err).__name__}: {str(err).splitlines()[0]}") from err
+    return replace(_program(ep, spec, leaves), training=block.training)
+
+
+def _to_meta(value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    return value.detach().to("meta", torch.float64 if value.is_floating_point() else value.dtype)
+
+
+@contextmanager
+def _null() -> Any:
+    yield
+
+
+def _program(ep: torch.export.ExportedProgram, spec: TreeSpec, leaves: list[Any]) -> Program:
+    signature = ep.graph_signature
+    if any(s.kind != OutputKind.USER_OUTPUT for s in signature.output_specs):
+        raise Unsupported("its forward mutates a buffer or an input (e.g. running statistics)")
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    block = graph.placeholder("block")
+    root = nn.Module()
+    kinds = {s.arg.name: s for s in signature.input_specs}
+    users = [n for n in ep.graph.nodes if n.op == "placeholder" and kinds[n.name].kind == InputKind.USER_INPUT]
+    for node in users:  # the tensors first, in order
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            if node in env:
+                continue
+            spec_ = kinds[node.name]
+            target = spec_.target.removeprefix("block.")
+            if spec_.kind == InputKind.PARAMETER:
+                env[node] = graph.call_function(_param, (block, target))
+            elif spec_.kind == InputKind.BUFFER:
+                env[node] = graph.call_function(_buffer, (block, target))
+            elif spec_.kind in (InputKind.CONSTANT_TENSOR,):
+                name = f"constant_{len(list(root.buffers()))}"
+                root.register_buffer(name, ep.constants[spec_.target])
+                env[node] = graph.get_attr(name)
+            else:
+                raise Unsupported(f"its trace has an input of kind {spec_.kind.name}")
+            env[node].meta = dict(node.meta)
+        elif node.op == "output":
+            graph.output(fx.node.map_arg(node.args[0], lambda n: env[n]))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    gm = fx.GraphModule(root, graph)
+    return Program(gm, spec, leaves, ep.call_spec.out_spec)

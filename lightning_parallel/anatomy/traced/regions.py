@@ -1,0 +1,317 @@
+"""Regions of a traced block: its MLP, found by data flow and run over sequence chunks, and the block cut
+at its attention call into pre / attention / post (HelixPipe, Zhang et al., arXiv 2507.00394, §2.1).
+
+**MLP**: a projection whose input comes, through element-wise operations only (activation, gating,
+dropout), from projections that all read one input ``h`` is an MLP; the largest such region is the
+block's MLP (or the nodes of ``mlp_module=`` when the user names it). It is outlined into a sub-graph
+called on ``mlp_chunks`` slices of ``h`` along the sequence and concatenated.
+
+**Split**: nodes that depend on the hidden state or on a parameter and feed q, k or v form ``pre``; the
+attention call and the argument-only nodes it needs (a mask from the block's arguments) form
+``attention``, which holds no parameter; everything else that depends on the hidden state, a parameter
+or the attention output is ``post``. ``state`` is what ``post`` reads from ``pre`` (the residual, and
+e.g. the normalised input of a parallel-residual block). Argument-only nodes are recomputed wherever
+they are needed; a parameter ``pre`` and ``post`` both use refuses the split (HelixPipe places the two
+parts on different stages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.utils._pytree import tree_unflatten
+
+from lightning_parallel.anatomy.base import ConfigurationError, Split, Unsupported
+from lightning_parallel.anatomy.traced.analysis import Site, expr_of
+from lightning_parallel.anatomy.traced.program import Program, _buffer, _param
+from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
+from lightning_parallel.anatomy.traced.tensor import _ELEMENTWISE, _IDENTITY, projections
+
+
+# ---------------------------------------------------------------------------------------------- MLP
+def _mlp_regions(program: Program) -> list[tuple[set[fx.Node], fx.Node, fx.Node]]:
+    """``(nodes, input h, output)`` of every MLP candidate (see the module docstring)."""
+    projs = projections(program)
+    found = []
+    for out, proj in projs.items():
+        region, l1s, stack, ok = {out}, [], [proj.input], True
+        while stack and ok:
+            n = stack.pop()
+            if n in region:
+                continue
+            if n in projs and n is not out:
+                region.add(n)
+                l1s.append(n)
+            elif n.op == "call_function" and (n.target in _ELEMENTWISE or n.target in _IDENTITY):
+                region.add(n)
+                stack.extend(a for a in n.all_input_nodes if not _is_lookup(a))
+            else:
+                ok = False
+        inputs = {projs[n].input for n in l1s}
+        if not ok or not l1s or len(inputs) != 1:
+            continue
+        if any(u not in region for n in region - {out} for u in n.users):
+            continue
+        found.append((region, inputs.pop(), out))
+    return found
+
+
+def _is_lookup(node: fx.Node) -> bool:
+    return node.op == "get_attr" or (node.op == "call_function" and node.target in (_param, _buffer))
+
+
+def _module_region(program: Program, path: str) -> tuple[set[fx.Node], fx.Node, fx.Node]:
+    full = f"block.{path}"  # the trace wraps the block as `block`
+
+    def inside(n: fx.Node) -> bool:
+        stack = (n.meta.get("nn_module_stack") or {}).values()
+        return any(v[0] == full or str(v[0]).startswith(full + ".") for v in stack)
+
+    nodes = [n for n in program.graph.nodes if n.op == "call_function" and not _is_lookup(n) and inside(n)]
+    region = set(nodes)
+    inputs = {a for n in nodes for a in n.all_input_nodes if a not in region and not _is_lookup(a)}
+    outputs = [n for n in nodes if any(u not in region for u in n.users)]
+    if len(inputs) != 1 or len(outputs) != 1:
+        raise Unsupported(f"mlp_module={path!r} is not one region with one input and one output in the graph")
+    return region, inputs.pop(), outputs[0]
+
+
+def chunk_mlp(program: Program, chunks: int, block_name: str, module: str | None = None) -> Program:
+    """``program`` with its MLP run over ``chunks`` slices of the sequence."""
+    if module is not None:
+        region, h, out = _module_region(program, module)
+    else:
+        candidates = _mlp_regions(program)
+        if not candidates:
+            raise Unsupported("no MLP in its graph (projections joined by element-wise operations from one input)")
+        region, h, out = max(candidates, key=lambda c: sum(1 for n in c[0] if n.target is _param))
+    dims = [d for d, size in enumerate(h.meta["val"].shape) if not isinstance(size, int)]
+    dim = dims[-1] if dims else h.meta["val"].dim() - 2  # the sequence: the innermost symbolic dim
+    sub = _subgraph(program, region, [h], [out])
+    run = _chunked(sub, chunks, dim, block_name)
+
+    def rule(node: fx.Node, graph: fx.Graph, env: dict) -> Any:
+        if node is out:
+            new = graph.call_function(run, (env[_block(program)], env[h]))
+            new.meta = dict(node.meta)
+            return new
+        if node in region:
+            return SKIP
+        return None
+
+    return rewrite(program, rule)
+
+
+def _block(program: Program) -> fx.Node:
+    return next(n for n in program.graph.nodes if n.op == "placeholder")
+
+
+def _chunked(sub: fx.GraphModule, chunks: int, dim: int, block_name: str) -> Callable[..., Tensor]:
+    def chunked_mlp(block: nn.Module, h: Tensor) -> Tensor:
+        if chunks > h.shape[dim]:
+            raise ConfigurationError(
+                f"mlp_chunks={chunks} is larger than the sequence: the MLP input {tuple(h.shape)} of"
+                f" {block_name} has {h.shape[dim]} tokens along dim {dim}"
+            )
+        parts = [part.contiguous() for part in torch.tensor_split(h, chunks, dim=dim)]
+        return torch.cat([sub(block, part)[0] for part in parts], dim=dim)
+
+    return chunked_mlp
+
+
+def _subgraph(program: Program, nodes: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+              lookups: bool = True) -> fx.GraphModule:  # fmt: skip
+    """A graph module ``(block, *inputs) -> tuple(outputs)`` of ``nodes`` (and the lookups they use)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {_block(program): graph.placeholder("block")}
+    for n in inputs:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in program.graph.nodes:
+        if n in env or (n not in nodes and not (lookups and _is_lookup(n) and any(u in nodes for u in n.users))):
+            continue
+        env[n] = graph.node_copy(n, lambda a: env[a])
+        env[n].meta = dict(n.meta)
+    graph.output(tuple(env[n] for n in outputs))
+    graph.eliminate_dead_code()
+    return fx.GraphModule(program.gm, graph)
+
+
+# -------------------------------------------------------------------------------------------- split
+def split(program: Program, site: Site, config: Any, block_name: str) -> Split:
+    """The traced block cut at its attention call (see the module docstring)."""
+    if config.mlp_chunks > 1:
+        program = chunk_mlp(program, config.mlp_chunks, block_name, config.mlp_module)
+        site = replace(site, attention=_same_node(program, site.attention))
+    parts = _partition(program, site)
+    pre, attention, post = _callables(program, parts, site.attention)
+    return Split("the traced graph", pre, attention, post, pre_parameters=frozenset(parts["pre_parameters"]))
+
+
+def _same_node(program: Program, old: fx.Node) -> fx.Node:
+    return next(n for n in program.graph.nodes if n.name == old.name)
+
+
+def _partition(program: Program, site: Site) -> dict[str, Any]:
+    graph, attention = program.graph, site.attention
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    x = placeholders[1]
+    deps: dict[fx.Node, frozenset[str]] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            deps[n] = frozenset({"x"}) if n is x else frozenset()
+        elif n is attention:
+            deps[n] = frozenset({"attention"})
+        elif n.op == "call_function" and n.target is _param:
+            deps[n] = frozenset({"param"})
+        elif n.op == "output":
+            continue
+        else:
+            deps[n] = frozenset().union(*(deps[a] for a in n.all_input_nodes)) if n.all_input_nodes else frozenset()
+    feeds_qkv = _ancestors(list(site.qkv))
+    pre = {n for n in feeds_qkv if deps[n] & {"x", "param"} and "attention" not in deps[n]}
+    extra = [a for a in attention.all_input_nodes if a not in site.qkv]
+    if any(deps[a] for a in extra):
+        raise Unsupported("its attention call reads a tensor computed from the hidden state or a parameter (a mask?)")
+    post = {n for n in graph.nodes if n.op != "output" and deps.get(n) and n not in pre and n is not attention}
+    post_params = {n.args[1] for n in post if n.op == "call_function" and n.target is _param}
+    pre_params = {n.args[1] for n in pre if n.op == "call_function" and n.target is _param}
+    both = pre_params & post_params
+    if both:
+        raise Unsupported(f"the parameter(s) {sorted(both)} are used both before and after its attention call")
+    state = [n for n in graph.nodes if (n in pre or n is x) and any(u in post for u in n.users)]
+    symbolic = [n for n in state if not isinstance(n.meta.get("val"), Tensor)]
+    state = [n for n in state if isinstance(n.meta.get("val"), Tensor)]
+    return {"pre": pre, "post": post, "state": state, "symbolic": symbolic, "x": x,
+            "pre_parameters": pre_params}  # fmt: skip
+
+
+def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _free(graph: fx.Graph, needed: set[fx.Node], taken: set[fx.Node]) -> set[fx.Node]:
+    """The argument-only ancestors of ``needed`` (recomputed in each part that needs them)."""
+    out: set[fx.Node] = set()
+    stack = [a for n in needed for a in n.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in out or n in taken or n.op == "placeholder":
+            continue
+        out.add(n)
+        stack.extend(n.all_input_nodes)
+    return out
+
+
+def _part(program: Program, nodes: set[fx.Node], inputs: list[fx.Node], outputs: list[Any],
+          symbolic: dict[fx.Node, tuple[fx.Node, int]] | None = None) -> fx.GraphModule:  # fmt: skip
+    """``(block, *inputs, *tensors) -> tuple(outputs)`` over ``nodes`` (the call's tensors are the program's
+    tensor placeholders; ``symbolic`` re-derives sizes from a tensor input: node -> (input, dim))."""
+    graph = fx.Graph()
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = {placeholders[0]: graph.placeholder("block")}
+    for n in inputs:
+        env[n] = graph.placeholder(f"in_{n.name}")
+        env[n].meta = dict(n.meta)
+    for n in placeholders[1:]:  # every call tensor keeps its slot (a state input may stand for one)
+        placeholder = graph.placeholder(n.name if n not in env else f"unused_{n.name}")
+        if n not in env:
+            env[n] = placeholder
+            env[n].meta = dict(n.meta)
+    for n, (source, dim) in (symbolic or {}).items():
+        env[n] = graph.call_function(torch.ops.aten.sym_size.int, (env[source], dim))
+    for n in program.graph.nodes:
+        if n in env or n not in nodes:
+            continue
+        env[n] = graph.node_copy(n, lambda a: env[a])
+        env[n].meta = dict(n.meta)
+    graph.output(tuple(fx.node.map_arg(o, lambda a: env[a]) for o in outputs))
+    graph.eliminate_dead_code()
+    return fx.GraphModule(program.gm, graph)
+
+
+def _callables(program: Program, parts: dict[str, Any], attention: fx.Node) -> tuple[Any, Any, Any]:
+    graph = program.graph
+    q, k, v = attention.args[:3]
+    pre_nodes, post_nodes, state = parts["pre"], parts["post"], parts["state"]
+    pre_gm = _part(program, pre_nodes | _free(graph, pre_nodes, pre_nodes), [], [q, k, v, *state])
+    attn_nodes = {attention} | _free(graph, {attention}, pre_nodes | {q, k, v})
+    attn_gm = _part(program, attn_nodes, [q, k, v], [attention])
+    symbolic = _sizes_for(parts["symbolic"], [attention, *state])
+    post_gm = _part(program, post_nodes | _free(graph, post_nodes, pre_nodes | {attention}),
+                    [attention, *state], list(graph.output_node().args[0]), symbolic)  # fmt: skip
+    return _Pre(program, pre_gm), _Attention(program, attn_gm), _Post(program, post_gm)
+
+
+def _sizes_for(symbolic: list[fx.Node], available: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
+    found = {}
+    for n in symbolic:
+        expr = expr_of(n.meta.get("val"))
+        for t in available:
+            dims = [d for d, s in enumerate(t.meta["val"].shape) if expr_of(s) == expr]
+            if dims:
+                found[n] = (t, dims[0])
+                break
+        else:
+            raise Unsupported(
+                f"the size {n.name} the block uses after attention is not a size of what attention returns"
+            )
+    return found
+
+
+class _Part:
+    """One part of a split traced program, retargeted to the call's dtype and device."""
+
+    def __init__(self, program: Program, gm: fx.GraphModule) -> None:
+        self.program = replace(program, gm=gm)
+        self._targets: dict[Any, Program] = {}
+
+    def __deepcopy__(self, memo: dict) -> _Part:
+        return self
+
+    def _run(self, like: Tensor, block: nn.Module, inputs: list[Tensor], tensors: list[Any]) -> tuple:
+        key = (like.dtype, like.device)
+        target = self._targets.get(key)
+        if target is None:
+            target = self._targets[key] = self.program.retargeted(*key)
+        return target.gm(block, *inputs, *tensors)
+
+
+class _Pre(_Part):
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        out = self._run(x, block, [], self.program.flatten(x, args, kwargs))
+        return (out[0], out[1], out[2]), tuple(out[3:])
+
+
+class _Attention(_Part):
+    def __call__(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        return self._run(q, block, [q, k, v], _placeholder_tensors(self, args, kwargs))[0]
+
+
+class _Post(_Part):
+    def __call__(self, block: nn.Module, out: Tensor, state: tuple, args: tuple, kwargs: dict) -> Any:
+        outputs = self._run(out, block, [out, *state], _placeholder_tensors(self, args, kwargs))
+        return tree_unflatten(list(outputs), self.program.out_spec)
+
+
+def _placeholder_tensors(part: _Part, args: tuple, kwargs: dict) -> list[Any]:
+    """The call's tensors without the hidden state (which these parts do not read): its slot holds None."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten(((_ABSENT, *args), kwargs))
+    tensors = [leaf for leaf, traced in zip(leaves, part.program.leaves) if isinstance(traced, Tensor)]
+    return [None, *tensors[1:]]
+
+
+_ABSENT = torch.empty(0)  # stands in for the hidden state when flattening a call's arguments

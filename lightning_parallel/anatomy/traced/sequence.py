@@ -1,0 +1,75 @@
+"""Sequence parallelism on a traced block: the graph runs on this rank's tokens (the block layer slices
+the hidden state and the arguments :class:`~lightning_parallel.anatomy.traced.analysis.Site` names), its
+attention call becomes :func:`lightning_parallel.sequence_parallel.attend` around the same SDPA call
+(masks whole), and positions the block creates itself (``arange(T)``, ``table[:T]``) become the global
+positions of this rank's tokens. A block that creates other tensors over the sequence is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+
+from lightning_parallel.anatomy.base import AttentionCall, Unsupported
+from lightning_parallel.anatomy.traced.analysis import SDPA, Site
+from lightning_parallel.anatomy.traced.program import Program
+from lightning_parallel.anatomy.traced.rewrite import rewrite
+
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal")  # after query, key, value; then scale, enable_gqa by keyword
+
+
+def sdpa_arguments(node: fx.Node) -> dict[str, Any]:
+    """The keyword form of an SDPA node's arguments after q, k, v."""
+    named = dict(zip(_SDPA_ARGS, node.args[3:]))
+    return {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False,
+            **named, **node.kwargs}  # fmt: skip
+
+
+def _attend(shard: Any, q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+            is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Tensor:  # fmt: skip
+    from lightning_parallel.sequence_parallel import attend
+
+    def inner(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    info = lambda: AttentionCall(is_causal and attn_mask is None, scale, dropout_p, attn_mask)  # noqa: E731
+    return attend(shard, q, k, v, inner, info)
+
+
+def _positions(shard: Any, dtype: torch.dtype) -> Tensor:
+    return shard.index.to(dtype)
+
+
+def _table(shard: Any, table: Tensor, dim: int) -> Tensor:
+    return table.index_select(dim, shard.index)
+
+
+def sequence_parallel(program: Program, site: Site) -> Program:
+    """``program`` on a sequence shard; the shard is the program's last input."""
+    if site.kind != "sdpa":
+        raise Unsupported("only an SDPA attention call can be distributed from a traced graph")
+    if site.sequence_factories:
+        names = ", ".join(f"{n.name} ({n.target})" for n in site.sequence_factories[:3])
+        raise Unsupported(f"the block creates tensors over the sequence itself ({names}); they cannot be split")
+    positions, tables = set(site.positions), set(site.table_slices)
+
+    def rule(node: fx.Node, graph: fx.Graph, env: dict) -> Any:
+        shard = env["shard"]
+        if node is site.attention:
+            new = graph.call_function(
+                _attend, (shard, *fx.node.map_arg(node.args[:3], lambda n: env[n])),
+                fx.node.map_arg(sdpa_arguments(node), lambda n: env[n]),
+            )  # fmt: skip
+            new.meta = dict(node.meta)
+            return new
+        if node in positions:
+            new = graph.call_function(_positions, (shard, node.meta["val"].dtype))
+        elif node in tables:
+            new = graph.call_function(_table, (shard, env[node.args[0]], node.args[1]))
+        else:
+            return None
+        new.meta = dict(node.meta)
+        return new
+
+    return rewrite(program, rule, extra=("shard",))

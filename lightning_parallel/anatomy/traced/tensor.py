@@ -1,0 +1,541 @@
+"""Tensor parallelism on a traced block (Megatron-LM, Shoeybi et al., arXiv 1909.08053), derived from the
+graph's data flow instead of a hand-written plan.
+
+1. **Projections**: ``linear`` / ``addmm`` / ``mm`` / ``matmul`` nodes whose weight is one of the block's
+   parameters. One whose input is replicated is a *source* (column-parallel candidate); one whose input
+   carries a source's columns is *row-parallel*.
+2. **Labels**: every source's output columns get their index as a label, and an interpreter moves the
+   labels through the graph (views, transposes, splits, concatenations move them; element-wise ops keep
+   them; the attention output is labelled by head). This shows, without any attribute names, which
+   columns of a fused q|k|v end up in which head, and which positions of a row-parallel projection's
+   input come from which source column.
+3. **Plan**: rank r gets heads ``[r·H/tp, (r+1)·H/tp)`` of q and of k, v (so the head counts must divide by
+   tp), and the contiguous r-th slice of every row-parallel input; the columns of each source follow
+   (a source's rows are permuted so that a plain ``Shard`` gives rank r its columns in their original
+   order; checkpoints keep the original order). Sources that reach no attention and no row-parallel
+   projection stay replicated.
+4. **Localisation**: each sharded value must be a slab along one dimension; the graph's shape constants
+   along it (``view``, ``reshape``, ``expand``, ``split``, ``slice``; also symbolic ones such as
+   ``batch * heads``) are divided by tp. Megatron's *f* (identity forward, all-reduce backward) enters
+   before each column-parallel input, *g* (all-reduce forward) after each row-parallel projection, whose
+   bias is added after the sum. Replicated parameters applied to sharded values (a per-head QK-norm) get
+   their gradient summed over tp.
+
+Anything the interpreter does not know applied to a sharded value, a reduction across ranks, or a
+sharded value reaching the block's output refuses the plan with the node's name.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lightning_parallel import _collectives
+from lightning_parallel.anatomy.base import ConfigurationError, Unsupported
+from lightning_parallel.anatomy.traced.analysis import Site
+from lightning_parallel.anatomy.traced.program import Program, _param
+from lightning_parallel.anatomy.traced.rewrite import rewrite
+
+aten = torch.ops.aten
+ATTENTION = "attention"
+
+_IDENTITY = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+             aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default,
+             aten.dropout.default, aten.lift_fresh_copy.default}  # fmt: skip
+_MOVE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+         aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+         aten.squeeze.dims, aten.squeeze.default, aten.split.Tensor, aten.split_with_sizes.default,
+         aten.chunk.default, aten.unbind.int, aten.slice.Tensor, aten.select.int, aten.narrow.default,
+         aten.unflatten.int, aten.flatten.using_ints, aten.cat.default, aten.stack.default,
+         aten.movedim.int, aten.repeat_interleave.self_int, aten.repeat.default}  # fmt: skip
+_ELEMENTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
+                aten.pow.Tensor_Scalar, aten.sqrt.default, aten.rsqrt.default, aten.exp.default, aten.tanh.default,
+                aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.relu.default, aten.where.self,
+                aten.masked_fill.Scalar, aten.clamp.default, aten.abs.default, aten.reciprocal.default,
+                aten.erf.default, aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
+                aten.log.default, aten.sin.default, aten.cos.default, aten.square.default,
+                aten.rsub.Scalar}  # fmt: skip
+_REDUCE = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction, aten.softmax.int,
+           aten._softmax.default, aten.log_softmax.int, aten.layer_norm.default, aten.rms_norm.default}  # fmt: skip
+_PROJECTIONS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
+_TRANSPOSED = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+@dataclass
+class Projection:
+    node: fx.Node
+    weight: str  # parameter name inside the block
+    bias: str | None
+    out_dim: int  # the weight's output dimension: 0 for (out, in), 1 for (in, out)
+    input: fx.Node
+
+
+@dataclass
+class _Labels:
+    """Which source column each element of every labelled value comes from (-1: none)."""
+
+    values: dict[fx.Node, Any] = field(default_factory=dict)  # node -> {source: LongTensor} (or a list of them)
+    unknown: dict[Any, list[str]] = field(default_factory=dict)  # source -> ops it met that no rule covers
+    reductions: list[tuple[Any, Tensor, list[int]]] = field(default_factory=list)  # (source, labels, dims)
+    rowwise: dict[fx.Node, dict[Any, Tensor]] = field(default_factory=dict)  # row-parallel node -> input labels
+    attention_in: dict[int, dict[Any, Tensor]] = field(default_factory=dict)  # q/k/v -> labels
+    outputs: set[Any] = field(default_factory=set)  # sources reaching the block's output
+    replicated_params: dict[Any, set[str]] = field(default_factory=dict)  # source -> params applied to it
+
+
+def _hint(value: Any) -> Any:
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_hint(v) for v in value)
+    return value
+
+
+def _shape(node: fx.Node) -> list[int]:
+    return [_hint(s) for s in node.meta["val"].shape]
+
+
+def projections(program: Program) -> dict[fx.Node, Projection]:
+    """The graph's projections by the block's parameters (see the module docstring, step 1)."""
+    found = {}
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target not in _PROJECTIONS:
+            continue
+        if node.target == aten.linear.default:
+            x, w = node.args[0], node.args[1]
+            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            out_dim = 0
+        elif node.target == aten.addmm.default:
+            b, x, w = node.args[0], node.args[1], node.args[2]
+            out_dim = 1
+        else:
+            x, w, b = node.args[0], node.args[1], None
+            out_dim = 1
+            if isinstance(w, fx.Node) and w.target in _TRANSPOSED:
+                w, out_dim = w.args[0], 0
+        if not _is_param(w) or _shape(w).__len__() != 2:
+            continue
+        bias = b.args[1] if _is_param(b) else None
+        if b is not None and bias is None:
+            continue
+        found[node] = Projection(node, w.args[1], bias, out_dim, x)
+    return found
+
+
+def _is_param(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is _param
+
+
+def _label(program: Program, site: Site, sources: set[fx.Node], projs: dict[fx.Node, Projection]) -> _Labels:
+    """Run the label interpreter (step 2) with ``sources`` as the column-parallel candidates."""
+    out = _Labels()
+    for node in program.graph.nodes:
+        if node.op == "output":
+            for leaf in torch.utils._pytree.tree_leaves(node.args[0]):
+                if isinstance(leaf, fx.Node):
+                    out.outputs |= _sources_of({leaf: out.values[leaf]} if leaf in out.values else {})
+            continue
+        if node.op != "call_function" or node.target == aten.sym_size.int:
+            continue
+        inputs = {a: out.values[a] for a in node.all_input_nodes if a in out.values and out.values[a]}
+        if node in projs and node in sources and projs[node].input not in inputs:
+            n = _shape(node)
+            out.values[node] = {node: torch.arange(n[-1]).expand(*n).contiguous()}
+            continue
+        if node is site.attention:
+            for i, a in enumerate(node.args[:3]):
+                out.attention_in[i] = dict(out.values.get(a, {}))
+            B, H, T, D = _shape(node)
+            labels = (torch.arange(H)[:, None, None] * D + torch.arange(D)).expand(B, H, T, D).contiguous()
+            out.values[node] = {ATTENTION: labels}
+            continue
+        if not inputs:
+            continue
+        if node in projs:
+            x = projs[node].input
+            if x in inputs:
+                out.rowwise[node] = {s: t.reshape(-1, t.shape[-1])[0] for s, t in inputs[x].items()}
+            continue
+        for param in node.all_input_nodes:
+            if _is_param(param):
+                for source in _sources_of(inputs):
+                    out.replicated_params.setdefault(source, set()).add(param.args[1])
+        out.values[node] = _apply(node, inputs, out)
+    return out
+
+
+def _sources_of(inputs: dict) -> set[Any]:
+    found: set[Any] = set()
+    for value in inputs.values():
+        for part in value if isinstance(value, list) else [value]:
+            found |= set(part)
+    return found
+
+
+def _concrete(node: fx.Node, value: Any, inputs: dict, source: Any) -> Any:
+    """``value`` (an argument of ``node``) for the label interpreter: labels for labelled nodes, -1 fills for
+    other tensors, concrete sizes for symbols."""
+    if isinstance(value, fx.Node):
+        labels = inputs.get(value)
+        if labels is not None:
+            if isinstance(labels, list):
+                return [part.get(source, torch.full(_shape_of(part), -1, dtype=torch.long)) for part in labels]
+            if source in labels:
+                return labels[source]
+        meta = value.meta.get("val")
+        if isinstance(meta, Tensor):
+            return torch.full([_hint(s) for s in meta.shape], -1, dtype=torch.long)
+        return _hint(meta)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_concrete(node, v, inputs, source) for v in value)
+    return value
+
+
+def _shape_of(part: dict) -> list[int]:
+    return list(next(iter(part.values())).shape) if part else []
+
+
+_SHAPED = {
+    aten.softmax.int,
+    aten._softmax.default,
+    aten.log_softmax.int,
+    aten.layer_norm.default,
+    aten.rms_norm.default,
+}  # reductions that keep the shape: labels pass, the reduction is checked
+
+
+def _apply(node: fx.Node, inputs: dict, out: _Labels) -> Any:
+    sources = _sources_of(inputs)
+    target = node.target
+    if target is operator.getitem:
+        labels = inputs[node.args[0]]
+        return labels[node.args[1]] if isinstance(labels, list) else {}
+    if target in _IDENTITY:
+        return inputs.get(node.args[0], {})
+    if target in _MOVE:
+        op = aten.reshape.default if target in (aten.view.default, aten._unsafe_view.default) else target
+        results: dict[Any, Any] = {}
+        for source in sources:
+            args = _concrete(node, node.args, inputs, source)
+            kwargs = _concrete(node, dict(node.kwargs), inputs, source)
+            results[source] = op(*args, **kwargs)
+        if isinstance(next(iter(results.values())), (list, tuple)):
+            count = len(next(iter(results.values())))
+            return [{s: r[i].contiguous() for s, r in results.items()} for i in range(count)]
+        return {s: r.contiguous() for s, r in results.items()}
+    if target in _ELEMENTWISE or target in _REDUCE:
+        shape = _shape(node)
+        results = {}
+        for source in sources:
+            parts = [inputs[a][source] for a in node.all_input_nodes if a in inputs and source in inputs[a]]
+            if target in _REDUCE:
+                labels = parts[0]
+                dims = _reduced_dims(node, list(labels.shape))
+                out.reductions.append((source, labels, dims))
+                if target not in _SHAPED:
+                    if labels.dim() == len(shape):  # keepdim: any position stands for the reduced ones
+                        for d in dims:
+                            labels = labels.narrow(d, 0, 1)
+                        labels = labels.expand(*shape)
+                    else:
+                        for d in sorted(dims, reverse=True):
+                            labels = labels.select(d, 0)
+                results[source] = labels.contiguous()
+                continue
+            merged = torch.full(shape, -1, dtype=torch.long)
+            for part in parts:  # the first labelled operand wins (the others broadcast against it)
+                merged = torch.where(merged >= 0, merged, part.expand(*shape))
+            results[source] = merged
+        return results
+    for source in sources:
+        out.unknown.setdefault(source, []).append(f"{node.name} ({target})")
+    return {}
+
+
+def _reduced_dims(node: fx.Node, in_shape: list[int]) -> list[int]:
+    rank = len(in_shape)
+    if node.target in (aten.layer_norm.default, aten.rms_norm.default):
+        return list(range(rank - len(node.args[1]), rank))
+    if node.target in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int):
+        return [node.args[1] % rank]
+    dims = node.args[1] if len(node.args) > 1 else None
+    dims = [dims] if isinstance(dims, int) else list(dims or range(rank))
+    return [d % rank for d in dims]
+
+
+@dataclass
+class Plan:
+    """What the derivation decided: per sharded parameter its dim and permutation; the columns each rank owns."""
+
+    colwise: dict[fx.Node, Projection]
+    rowwise: dict[fx.Node, Projection]
+    ranks: dict[Any, Tensor]  # source -> rank of each of its columns
+    shard_dims: dict[fx.Node, Any]  # labelled node -> its sharded dim (or a list, for tuple values)
+    parameters: dict[str, tuple[int, Tensor | None]]  # name -> (dim, permutation or None)
+    partial: set[str]  # replicated parameters applied to sharded values
+
+
+def derive(program: Program, site: Site, tp: int) -> Plan:
+    """Steps 1-3 of the module docstring, and the sharded dims of step 4."""
+    for what, n in (("attention heads", site.heads), ("key/value heads", site.kv_heads)):
+        if n % tp:
+            raise ConfigurationError(f"tensor_parallel_size={tp} must divide the number of {what} ({n}) of the block")
+    projs = projections(program)
+    sources = set(projs)
+    for _ in range(len(projs) + 1):  # drop sources that reach no sink, until stable
+        labels = _label(program, site, sources, projs)
+        reaching = {s for sink in (*labels.attention_in.values(), *labels.rowwise.values()) for s in sink}
+        kept = {s for s in sources if s in reaching}
+        if kept == sources:
+            break
+        sources = kept
+    ranks = _ranks(labels, site, tp, projs)
+    for source in ranks:
+        name = getattr(source, "name", source)
+        if source in labels.outputs:
+            raise Unsupported(f"the column-parallel output of {name} reaches the block's output")
+        if labels.unknown.get(source):
+            ops = ", ".join(labels.unknown[source][:2])
+            raise Unsupported(f"tensor parallelism does not know how {ops} treats a shard of {name}")
+    for source, values, dims in labels.reductions:
+        if source in ranks and not _within_rank(values, ranks[source], dims):
+            raise Unsupported("the block reduces across the tensor-parallel shards (e.g. a norm over all heads)")
+    shard_dims = {node: _slab_dims(value, ranks, tp, node) for node, value in labels.values.items() if value}
+    colwise = {n: projs[n] for n in ranks if isinstance(n, fx.Node) and n in projs}
+    rowwise = {n: projs[n] for n in labels.rowwise if set(labels.rowwise[n]) & set(ranks)}
+    parameters: dict[str, tuple[int, Tensor | None]] = {}
+    for node, proj in colwise.items():
+        perm = torch.argsort(ranks[node], stable=True)
+        identity = torch.equal(perm, torch.arange(len(perm)))
+        _assign(parameters, proj.weight, (proj.out_dim, None if identity else perm))
+        if proj.bias is not None:
+            _assign(parameters, proj.bias, (0, None if identity else perm))
+    for node, proj in rowwise.items():
+        position = _row_ranks(labels.rowwise[node], ranks)
+        perm = torch.argsort(position, stable=True)
+        identity = torch.equal(perm, torch.arange(len(perm)))
+        _assign(parameters, proj.weight, (1 - proj.out_dim, None if identity else perm))
+    partial = {p for s in ranks for p in labels.replicated_params.get(s, ())} - set(parameters)
+    return Plan(colwise, rowwise, ranks, shard_dims, parameters, partial)
+
+
+def _assign(parameters: dict, name: str, value: tuple[int, Tensor | None]) -> None:
+    if name in parameters:
+        raise Unsupported(f"the parameter {name} serves two projections")
+    parameters[name] = value
+
+
+def _ranks(labels: _Labels, site: Site, tp: int, projs: dict) -> dict[Any, Tensor]:
+    """Rank of every column of every sharded source: from the heads at attention, from the contiguous
+    slices at row-parallel inputs; conflicts and columns no sink claims refuse the plan."""
+    ranks: dict[Any, Tensor] = {}
+
+    def claim(source: Any, columns: Tensor, rank: Tensor) -> None:
+        width = _hint(projs[source].node.meta["val"].shape[-1])
+        current = ranks.setdefault(source, torch.full((width,), -1, dtype=torch.long))
+        columns, rank = columns.reshape(-1), rank.reshape(-1)
+        valid = columns >= 0
+        columns, rank = columns[valid], rank[valid]
+        if ((current[columns] >= 0) & (current[columns] != rank)).any():
+            raise Unsupported(f"the columns of {source.name} would go to two ranks")
+        current[columns] = rank
+
+    for i, by_source in labels.attention_in.items():
+        heads = site.heads if i == 0 else site.kv_heads
+        for source, values in by_source.items():  # (B, H, T, D): head h -> rank h // (H / tp)
+            if source != ATTENTION:
+                claim(source, values, (torch.arange(heads) // (heads // tp))[None, :, None, None].expand(*values.shape))
+    for by_source in labels.rowwise.values():
+        width = len(next(iter(by_source.values())))
+        if width % tp:
+            raise ConfigurationError(f"tensor_parallel_size={tp} must divide the input width ({width}) of a projection")
+        for source, values in by_source.items():
+            if source != ATTENTION:
+                claim(source, values, torch.arange(width) // (width // tp))
+    for source, current in ranks.items():
+        counts = torch.bincount(current[current >= 0], minlength=tp)
+        if (current < 0).any() or not (counts == len(current) // tp).all():
+            raise Unsupported(f"the columns of {source.name} do not split evenly over tensor_parallel_size={tp}")
+    if ranks and ATTENTION in labels.outputs:
+        raise Unsupported("the attention output reaches the block's output without a row-parallel projection")
+    if any(ATTENTION in sink for sink in labels.rowwise.values()):
+        _, H, _, D = _shape(site.attention)
+        ranks[ATTENTION] = torch.arange(H * D) // D // (H // tp)  # attention labels are h * D + d
+    return ranks
+
+
+def _row_ranks(by_source: dict[Any, Tensor], ranks: dict[Any, Tensor]) -> Tensor:
+    """Rank of every input position of a row-parallel projection (from whichever source labels it)."""
+    width = len(next(iter(by_source.values())))
+    position = torch.full((width,), -1, dtype=torch.long)
+    for source, values in by_source.items():
+        if source in ranks:
+            valid = values >= 0
+            position[valid] = ranks[source][values[valid]]
+    if (position < 0).any():
+        raise Unsupported("a row-parallel projection's input mixes sharded and replicated values")
+    return position
+
+
+def _within_rank(values: Tensor, rank: Tensor, dims: list[int]) -> bool:
+    r = torch.where(values >= 0, rank[values.clamp(min=0)], -1)
+    for d in dims:
+        first = r.narrow(d, 0, 1)
+        if not ((r == first) | (r < 0) | (first < 0)).all():
+            return False
+    return True
+
+
+def _slab_dims(value: Any, ranks: dict[Any, Tensor], tp: int, node: fx.Node) -> Any:
+    if isinstance(value, list):
+        return [_slab_dims(part, ranks, tp, node) if part else None for part in value]
+    rank = None
+    for source, labels in value.items():
+        if source not in ranks:
+            continue
+        r = torch.where(labels >= 0, ranks[source][labels.clamp(min=0)], -1)
+        rank = r if rank is None else torch.where(rank >= 0, rank, r)
+    if rank is None:
+        return None
+    if (rank < 0).any():
+        raise Unsupported(f"{node.name} mixes sharded and replicated values")
+    mine = rank == 0
+    for d in range(mine.dim()):
+        selector = mine.any(dim=tuple(i for i in range(mine.dim()) if i != d)) if mine.dim() > 1 else mine
+        expected = selector.view([-1 if i == d else 1 for i in range(mine.dim())]).expand_as(mine)
+        if torch.equal(expected, mine) and int(selector.sum()) * tp == mine.shape[d]:
+            return d
+    raise Unsupported(f"{node.name} is not a slab of whole heads or columns per rank")
+
+
+# ---------------------------------------------------------------------------------------- localise
+def tensor_parallel(program: Program, site: Site, block: nn.Module, config: Any, layout: Any, prefix: str) -> Program:
+    """Shard ``block``'s parameters per the derived plan (recording permutations in ``layout``) and return the
+    localised program (step 4)."""
+    mesh = config.tp_mesh
+    tp, group = mesh.size(), mesh.get_group()
+    plan = derive(program, site, tp)
+    for name, (dim, perm) in plan.parameters.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = block.get_submodule(owner_name) if owner_name else block
+        param = getattr(owner, attr)
+        if perm is not None:
+            with torch.no_grad():
+                param.copy_(param.index_select(dim, perm))
+            layout.permuted[f"{prefix}{name}"] = (dim, perm)
+        sharded = distribute_tensor(param.detach(), mesh, [Shard(dim)], src_data_rank=None)
+        setattr(owner, attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    layout.partial += [block.get_parameter(n) for n in sorted(plan.partial)]
+    return _localise(program, plan, tp, group)
+
+
+def _localise(program: Program, plan: Plan, tp: int, group: Any) -> Program:
+    def copy_in(t: Tensor) -> Tensor:  # Megatron's f: identity forward, all-reduce backward
+        return _collectives.copy_to_group(t, group)
+
+    def reduce_out(t: Tensor) -> Tensor:  # Megatron's g: all-reduce forward, identity backward
+        return _collectives.reduce_from_group(t, group)
+
+    copied: dict[fx.Node, fx.Node] = {}
+
+    def rule(node: fx.Node, graph: fx.Graph, env: dict) -> Any:
+        if node in plan.colwise:
+            x = plan.colwise[node].input
+            if x not in copied:
+                copied[x] = graph.call_function(copy_in, (env[x],))
+            args = list(fx.node.map_arg(node.args, lambda n: env[n]))
+            position = 0 if node.target != aten.addmm.default else 1
+            args[position] = copied[x]
+            new = graph.call_function(node.target, tuple(args), fx.node.map_arg(node.kwargs, lambda n: env[n]))
+            new.meta = dict(node.meta)
+            return new
+        if node in plan.rowwise:
+            return _rowwise(node, graph, env, reduce_out)
+        if node.target in _MOVE and node.args and isinstance(node.args[0], fx.Node):
+            return _local_move(node, graph, env, plan, tp)
+        return None
+
+    return rewrite(program, rule)
+
+
+def _rowwise(node: fx.Node, graph: fx.Graph, env: dict, reduce_out: Any) -> fx.Node:
+    args = fx.node.map_arg(node.args, lambda n: env[n])
+    if node.target == aten.linear.default:
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else env.get(node.kwargs.get("bias"))
+        y = graph.call_function(aten.linear.default, (x, w))
+    elif node.target == aten.addmm.default:
+        bias, x, w = args
+        y = graph.call_function(aten.mm.default, (x, w))
+    else:
+        bias = None
+        y = graph.call_function(node.target, tuple(args))
+    y = graph.call_function(reduce_out, (y,))
+    if bias is not None:
+        y = graph.call_function(aten.add.Tensor, (y, bias))
+    y.meta = dict(node.meta)
+    return y
+
+
+def _local_move(node: fx.Node, graph: fx.Graph, env: dict, plan: Plan, tp: int) -> Any:
+    source_dim = plan.shard_dims.get(node.args[0])
+    out_dim = plan.shard_dims.get(node)
+    if source_dim is None and out_dim is None:
+        return None
+    args = list(fx.node.map_arg(node.args, lambda n: env[n]))
+    target = node.target
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+        if out_dim is None:
+            return None
+        shape = list(args[1])
+        shape[out_dim] = _divide(graph, env, shape[out_dim], tp, node)
+        args[1] = shape
+    elif target == aten.unflatten.int:
+        if out_dim is None:
+            return None
+        sizes = list(args[2])
+        i = out_dim - args[1] % len(_shape(node.args[0]))
+        if 0 <= i < len(sizes):
+            sizes[i] = _divide(graph, env, sizes[i], tp, node)
+        args[2] = sizes
+    elif target in (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default,
+                    aten.select.int):  # fmt: skip
+        if target in (aten.split.Tensor, aten.split_with_sizes.default):
+            dim = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
+        else:
+            dim = args[1] if len(args) > 1 else 0
+        if source_dim is None or dim % len(_shape(node.args[0])) != source_dim:
+            return None
+        if target == aten.split.Tensor:
+            args[1] = _divide(graph, env, args[1], tp, node)
+        elif target == aten.split_with_sizes.default:
+            args[1] = [_divide(graph, env, size, tp, node) for size in args[1]]
+        elif target == aten.slice.Tensor:
+            whole = lambda a: a is None or (isinstance(a, int) and (a == 0 or a >= 2**62))  # noqa: E731
+            ends = [a if whole(a) else _divide(graph, env, a, tp, node) for a in (list(args) + [None, None])[2:4]]
+            args = args[:2] + ends + args[4:]
+        elif target == aten.narrow.default:
+            args[2:4] = [_divide(graph, env, a, tp, node) for a in args[2:4]]
+        else:
+            raise Unsupported(f"{node.name} selects one index along the tensor-parallel dimension")
+    else:
+        return None
+    new = graph.call_function(target, tuple(args), fx.node.map_arg(node.kwargs, lambda n: env[n]))
+    new.meta = dict(node.meta)
+    return new
+
+
+def _divide(graph: fx.Graph, env: dict, size: Any, tp: int, node: fx.Node) -> Any:
+    """``size`` (already in the new graph) divided by ``tp``: a node for a symbolic size."""
+    if isinstance(size, fx.Node):
+        return graph.call_function(operator.floordiv, (size, tp))
+    if size == -1:
+        return size
+    if not isinstance(size, int) or size % tp:
+        raise Unsupported(f"{node.name}'s size {size} along the tensor-parallel dimension does not divide by {tp}")
+    return size // tp
