@@ -64,6 +64,8 @@ class BlockConfig:
     attention_kernels: tuple[str, ...] = ()
     adapter: Any = None
     """``adapter=``: a hand-written adapter's name or an object implementing the adapter protocol."""
+    split: bool = False
+    """HelixPipe: each block is cut at its attention call (the helix runtime drives the parts)."""
     sources: tuple[str, ...] | None = None
     """The sources of anatomy tried after ``adapter=``, in order; ``None``: all of
     :data:`lightning_parallel.anatomy.resolve.SOURCES` (tests narrow them, e.g. without the hand-written adapters)."""

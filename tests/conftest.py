@@ -39,3 +39,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--coverage-table", default=None, help="write the coverage matrix's Markdown table to this file")
+
+
+_COVERAGE: dict = {}
+
+
+@pytest.fixture
+def coverage_table():
+    """The coverage matrix's results, written as a table at the end of the session with --coverage-table."""
+    return _COVERAGE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--coverage-table")
+    if path and _COVERAGE:
+        from tests.helpers.coverage import markdown
+
+        with open(path, "w") as f:
+            f.write(markdown(_COVERAGE))

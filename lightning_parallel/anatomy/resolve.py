@@ -65,7 +65,7 @@ def _attempt(make: Any) -> Any:
 
 
 def features(config: Any) -> str:
-    wanted = []
+    wanted = ["HelixPipe's cut at the attention call"] if getattr(config, "split", False) else []
     if config.tp > 1:
         wanted.append(f"tensor parallelism (tensor_parallel_size={config.tp})")
     if config.sp > 1:
@@ -78,7 +78,7 @@ def features(config: Any) -> str:
 def explain(block: nn.Module, config: Any, reasons: list[str]) -> str:
     tried = "".join(f"\n  - {r}" for r in reasons) or " none applies"
     hints = []
-    if config.mlp_chunks > 1 and config.tp == 1 and config.sp == 1:
+    if config.mlp_chunks > 1 and config.tp == 1 and config.sp == 1 and not config.split:
         hints.append("name the MLP with mlp_module='path.in.block'")
     if config.tp > 1 and config.sp == 1:
         hints.append("name the projections with tp_plan={'pattern': 'colwise' | 'rowwise' | 'colwise_qkv'}")

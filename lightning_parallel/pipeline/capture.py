@@ -177,9 +177,11 @@ def probe_output_structure(block: nn.Module, hidden: Tensor, block_args: BlockAr
 
     Returns ``None`` for a tensor output, else a tuple/list of the same length (hidden state first).
     """
+    from torch.utils._pytree import tree_map
+
     to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
-    a, kw = block_args
+    a, kw = tree_map(to_meta, block_args)  # nested too (e.g. rotary tables as a tuple)
     with torch.no_grad():
         # the class's own forward: the instance's may be replaced by a recorder right now
-        out = type(block).forward(block, to_meta(hidden), *map(to_meta, a), **{k: to_meta(v) for k, v in kw.items()})
+        out = type(block).forward(block, to_meta(hidden), *a, **kw)
     return type(out)([None] * len(out)) if isinstance(out, (tuple, list)) else None

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.base import Split
-from lightning_parallel.pipeline.capture import _forwards, split_hidden, substitute
+from lightning_parallel.pipeline.capture import _forwards, split_hidden, substitute, wrap_output
 from lightning_parallel.pipeline.helix_schedule import HelixAction, attention_stage
 from lightning_parallel.pipeline.runtime import PipelineRuntime, RecvClock
 
@@ -141,11 +141,11 @@ class HelixRuntime(PipelineRuntime):
             if self.recompute:  # value and logs now; the graph is rebuilt in the backward action
                 with torch.no_grad():
                     y = self._post(self.num_layers, mb, inputs[0], inputs[1:])
-                    step_out = substitute(self.trunk, step, y)
+                    step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
                 loss = self._loss_of(step_out)
             else:
                 y = self._post(self.num_layers, mb, inputs[0], inputs[1:])
-                step_out = substitute(self.trunk, step, y)
+                step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
                 loss = self._loss_of(step_out)
         finally:
             self.phase = None
@@ -176,7 +176,8 @@ class HelixRuntime(PipelineRuntime):
             loss = outputs[0]
             if self.recompute:  # the head and loss inside the backward step, logging suppressed
                 y = self._post(L, mb, inputs[0], inputs[1:])
-                loss = self._loss_of(self.quiet_step(lambda: substitute(self.trunk, self._steps[mb], y)))
+                out = wrap_output(y, self.output_like)
+                loss = self._loss_of(self.quiet_step(lambda: substitute(self.trunk, self._steps[mb], out)))
             torch.autograd.backward(loss * self._weights[mb], retain_graph=self._capture(mb).needs_grad)
         else:
             grads = self._recv(4, attention_stage(j + 1, mb, p, self.folds), "grad_qkv", j + 1, mb)
@@ -224,8 +225,9 @@ class HelixRuntime(PipelineRuntime):
                 if i == L - 1:
                     state["pass"] += 1
                     mine = state["x"] if self.stage == 0 else None
-                    return _collectives.broadcast_with_header(mine, self.rank_of_stage(0), self.group, self.device)
-                return hidden
+                    final = _collectives.broadcast_with_header(mine, self.rank_of_stage(0), self.group, self.device)
+                    return wrap_output(final, self.output_like)
+                return wrap_output(hidden, self.output_like)
 
             return forward
 

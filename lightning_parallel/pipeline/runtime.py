@@ -145,24 +145,31 @@ class PipelineRuntime:
             self._captures, self._saved, self._sends = {}, {}, []
         return results
 
-    def _capture(self, i: int) -> Capture:
-        if i in self._captures:
-            return self._captures[i]
-        step = self._steps[i]
+    def capture_step(self, step: Callable[[], Any], probe: nn.Module | None = None) -> Capture:
+        """``capture.capture`` of ``step``; if user code indexed a block's output (``layer(h)[0]``) before its
+        structure was known, the structure is learned from a call of ``probe`` (a freed block, or any block
+        when ``probe`` is given) on meta tensors and the capture is retried."""
         self.phase = "capture"
         try:
-            cap = capture(self.trunk, step, self.output_like)
+            return capture(self.trunk, step, self.output_like)
         except TrunkCallError as err:
-            if err.first_call is None or self._freed is None or self._like_known:
+            block = (
+                probe if probe is not None else (self.trunk.blocks[self._freed] if self._freed is not None else None)
+            )
+            if err.first_call is None or block is None or self._like_known:
                 raise
-            # User code indexed a block's output (``layer(h)[0]``): learn the real structure, then retry.
-            self.output_like = probe_output_structure(self.trunk.blocks[self._freed], *err.first_call)
+            self.output_like = probe_output_structure(block, *err.first_call)
             self._like_known = True
             if self.output_like is None:
                 raise
-            cap = capture(self.trunk, step, self.output_like)
+            return capture(self.trunk, step, self.output_like)
         finally:
             self.phase = None
+
+    def _capture(self, i: int) -> Capture:
+        if i in self._captures:
+            return self._captures[i]
+        cap = self.capture_step(self._steps[i])
         if 0 not in self.local_chunks:
             cap.trunk_input = cap.trunk_input.detach()  # only chunk 0 needs the pre-trunk graph
         self._captures[i] = cap

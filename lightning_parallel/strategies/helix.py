@@ -14,6 +14,7 @@ without attention and a chunked MLP (both switchable). The loss stage is stage 0
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal, Optional
@@ -26,7 +27,6 @@ from lightning_parallel import _collectives
 from lightning_parallel.anatomy.verify import plain_gradients
 from lightning_parallel.blocks import BlockConfig, first_verified
 from lightning_parallel.mesh import PP, Size
-from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
@@ -146,7 +146,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     @override
     def _block_config(self) -> BlockConfig:
         # helix recomputes inside its runtime (param chunks under checkpoint); the MLP chunking is the split's
-        return replace(super()._block_config(), recompute="none")
+        return replace(super()._block_config(), recompute="none", split=True)
 
     @override
     def simulate_schedule(self, cost: Callable[[str, int], float]) -> Simulation:
@@ -175,7 +175,8 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         assert lm is not None and runtime is not None
         micro, _ = split_microbatches(batch, self.num_microbatches)
         with torch.random.fork_rng(), recording(lm, LogRecorder()), self.precision_plugin.train_step_context():
-            cap = capture(runtime.trunk, lambda: lm.training_step(micro[0], *rest, **kwargs), None)
+            step = lambda: lm.training_step(micro[0], *rest, **kwargs)  # noqa: E731
+            cap = runtime.capture_step(step, probe=copy.deepcopy(runtime.trunk.blocks[0]).to("meta"))
         config, winner = self._block_config(), None
         for j, block in enumerate(runtime.trunk.blocks):
             sample = (cap.trunk_input.detach(), *cap.block_args[j])

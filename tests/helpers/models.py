@@ -186,3 +186,34 @@ class HFCausalLM(L.LightningModule):
         if self.opt == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class _NormBlock(nn.Module):
+    """A block with no attention call and a projection whose output is normalised over its whole width:
+    nothing in it can be split by heads, sequence or columns."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + self.norm(self.proj(x))
+
+
+class NoAttentionLM(L.LightningModule):
+    def __init__(self, vocab_size: int = 65, width: int = 32, lr: float = 0.05) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.blocks = nn.ModuleList([_NormBlock(width) for _ in range(2)])
+        self.head = nn.Linear(width, vocab_size)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -48,6 +48,7 @@ class Records:
     initial: dict[str, Tensor] = field(default_factory=dict)
     losses: list[Tensor] = field(default_factory=list)
     params: list[dict[str, Tensor]] = field(default_factory=list)
+    anatomy: list[str] = field(default_factory=list)  # which anatomy served each composed block (or helix split)
 
 
 class Recorder(L.Callback):
@@ -62,6 +63,13 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.records.initial = self._params(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        names = [split.name for split in getattr(strategy, "_splits", [])]
+        blocks = getattr(strategy, "_blocks", None)
+        names += [r.anatomy_name for r in blocks.runners.values() if r.anatomy_name] if blocks is not None else []
+        self.records.anatomy = names
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
@@ -78,6 +86,10 @@ def build(
     from examples.models import GPT, EncoderClassifier, Llama
 
     torch.manual_seed(seed)
+    from tests.helpers import zoo
+
+    if model in zoo.ROWS:
+        return zoo.build(model, batch_size, optimizer, 0.05 if optimizer == "sgd" else 1e-3, SEQ_LEN)
     # Adam's lr stays small: parameters whose exact gradient is zero (the key bias of nn.MultiheadAttention:
     # softmax ignores a per-key constant) get updates of about lr * rounding-noise / eps from Adam, which at
     # lr=1e-2 reach the fp64 atol of 1e-12 by themselves (review H1). Real updates stay ~1e-3 per step.
@@ -223,7 +235,7 @@ def assert_parity(
     global_batch: int = 8,
     callbacks: Callable[[], list] | None = None,
     **trainer_kwargs: Any,
-) -> None:
+) -> list[Records]:
     """Train ``model`` under ``strategy()`` on ``world_size`` ranks and single-process; assert equality.
 
     ``strategy`` is a zero-argument factory called inside each rank. ``trainer_kwargs`` (e.g.
@@ -256,6 +268,7 @@ def assert_parity(
             _assert_params(a, b, f"{where}, parameters after step {step + 1}", tol)
     moved = max((ref.params[-1][k] - ref.initial[k]).abs().max().item() for k in ref.initial)
     assert moved > 1e-6, f"{model}: parameters did not change in {steps} steps; the comparison would be vacuous"
+    return per_rank
 
 
 def _assert_params(got: dict[str, Tensor], want: dict[str, Tensor], where: str, tol: dict) -> None:

@@ -161,13 +161,21 @@ def _llama(**kwargs):
     return make
 
 
+def _no_attention():
+    from examples.data import CharDataModule
+    from tests.helpers.models import NoAttentionLM
+
+    data = CharDataModule(block_size=16, batch_size=4, shuffle=False)
+    return NoAttentionLM(vocab_size=data.vocab_size), data
+
+
 @pytest.mark.parametrize(
     "model_fn,kwargs,message",
     [
         (_gpt(n_layer=2, n_head=3, n_embd=24), {}, r"tensor_parallel_size=2 must divide the number of attention heads \(3\) of Block"),
         (_llama(n_layer=2, n_head=4, n_kv_head=1, dim=32, mlp_hidden=64), {}, r"must divide the number of key/value heads \(1\) of DecoderLayer"),
         (_llama(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=63), {}, r"must divide the output width \(63\) of mlp.gate_proj in DecoderLayer"),
-        (lambda: build("hf", 4, "sgd"), {}, r"(?s)no anatomy of HFStyleLayer serves tensor parallelism.*tp_plan="),
+        (_no_attention, {}, r"(?s)no anatomy of _NormBlock serves tensor parallelism.*no projection of the block can be sharded.*tp_plan="),
         (_gpt(n_layer=2, n_head=2, n_embd=16), {"tp_plan": {"attn.nothing*": "colwise"}}, r"tp_plan pattern 'attn.nothing\*' matches nothing in Block"),
         (_gpt(n_layer=2, n_head=2, n_embd=16), {"tp_plan": {"attn.c_attn": "diagonal"}}, r"tp_plan\['attn.c_attn'\] = 'diagonal'; choose one of"),
         (_llama(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64), {"adapter": "broken"}, r"adapter 'broken' does not reproduce DecoderLayer"),

@@ -91,7 +91,7 @@ class TracedAnatomy:
         if config.tp > 1:
             from lightning_parallel.anatomy.traced.tensor import tensor_parallel
 
-            program = tensor_parallel(program, self.site, block, config, tp_layout, prefix)
+            program = tensor_parallel(program, block, config, tp_layout, prefix)
         if config.mlp_chunks > 1:
             from lightning_parallel.anatomy.traced.regions import chunk_mlp
 

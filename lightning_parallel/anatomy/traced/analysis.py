@@ -121,7 +121,9 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
+def _descendants(node: fx.Node, stop: fx.Node) -> set[fx.Node]:
+    """What reads ``node``'s data up to ``stop`` (a read of its size, e.g. a batch size taken from a mask, is
+    not a read of its data)."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
@@ -129,7 +131,8 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.users)
+        if n is not stop:
+            stack.extend(u for u in n.users if u.target != aten.sym_size.int)
     return seen
 
 
@@ -143,7 +146,7 @@ def _sequence_inputs(site: Site, inputs: list[fx.Node]) -> None:
         dims = [d for d, size in enumerate(shape) if expr_of(size) == site.seq]
         if not dims:
             continue
-        reached = _descendants(node) - {node, attention}
+        reached = _descendants(node, attention) - {node, attention}
         if reached <= feeds_extra and not reached & feeds_qkv:
             site.attention_inputs.add(i)  # a mask: whole for the attention, wherever it runs
             continue

@@ -1,6 +1,6 @@
 """A block's own forward as a graph: traced once with ``torch.export`` (non-strict, every dimension
-``Dim.AUTO``, so the sequence length stays symbolic) on a float64 copy of the block on the ``meta``
-device, with the first real call's arguments as the example.
+``Dim.AUTO``, so the sequence length stays symbolic) on a float64 copy of the block that holds no data,
+with the first real call's arguments as the example.
 
 The graph is made block-agnostic: its first input is the block, and every parameter and buffer is read
 from it at each call (``_param``: this rank's local part of a DTensor), so the same program runs the real
@@ -8,10 +8,10 @@ block, its float64 verification copy, and the block after its parameters were sh
 tensors among the call's arguments are the other inputs, in the order ``torch.utils._pytree`` flattens
 ``(args, kwargs)``; non-tensor arguments are constants of the trace and are checked at each call.
 
-Tracing happens in float64 on ``meta``: the graph then carries ``torch.float64`` wherever the block's code
-derives a dtype from its input (``hidden.to(input_dtype)``) and ``meta`` wherever it derives a device;
-:meth:`Program.retargeted` replaces both by the run's dtype and device (an explicit ``torch.float32`` in
-the block's code stays as it is, in every run).
+Tracing happens in float64 on a copy that holds no data (each parameter one element broadcast to its
+shape): the graph then carries ``torch.float64`` wherever the block's code derives a dtype from its input
+(``hidden.to(input_dtype)``); :meth:`Program.retargeted` replaces it (and the trace's device) by the run's
+(an explicit ``torch.float32`` in the block's code stays as it is, in every run).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -62,9 +62,10 @@ class Program:
     leaves: list[Any]  # the trace's leaves: tensors (as fake values) and constants
     out_spec: TreeSpec
     dtype: torch.dtype = torch.float64
-    device: torch.device = field(default_factory=lambda: torch.device("meta"))
+    device: torch.device | None = None  # the trace's device (None: the run's already)
     extra: tuple[str, ...] = ()  # names of the inputs after the tensors (e.g. a sequence shard)
     training: bool = True  # the block's mode when traced (dropout and such are constants of the trace)
+    loose: frozenset = frozenset()  # symbols that may take different values (the sequence, on a sequence shard)
 
     @property
     def graph(self) -> fx.Graph:
@@ -89,7 +90,7 @@ class Program:
                 tensors.append(leaf)
             elif not (leaf is traced or _same_constant(leaf, traced)):
                 raise Unsupported(f"the block was traced with the argument {traced!r}, now called with {leaf!r}")
-        _check_shapes(tensors, self.tensor_inputs())
+        _check_shapes(tensors, self.tensor_inputs(), self.loose)
         return tensors
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, *extra: Any) -> Any:
@@ -97,8 +98,8 @@ class Program:
         return tree_unflatten(list(outputs), self.out_spec)
 
     def retargeted(self, dtype: torch.dtype, device: torch.device) -> Program:
-        """The same program with the trace's float64 and ``meta`` replaced by ``dtype`` and ``device``."""
-        if dtype == self.dtype and device == self.device:
+        """The same program with the trace's float64 (and device) replaced by ``dtype`` and ``device``."""
+        if dtype == self.dtype and device in (self.device, None):
             return self
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
@@ -115,7 +116,7 @@ class Program:
 def _retarget(value: Any, dtype: torch.dtype, device: torch.device, program: Program) -> Any:
     if isinstance(value, torch.dtype) and value == program.dtype:
         return dtype
-    if isinstance(value, torch.device) and value == program.device:
+    if isinstance(value, torch.device) and program.device is not None and value == program.device:
         return device
     return value
 
@@ -127,7 +128,7 @@ def _same_constant(a: Any, b: Any) -> bool:
         return False
 
 
-def _check_shapes(tensors: list[Tensor], placeholders: list[fx.Node]) -> None:
+def _check_shapes(tensors: list[Tensor], placeholders: list[fx.Node], loose: frozenset = frozenset()) -> None:
     """The trace holds for these shapes: static dims equal, symbolic dims consistent and at least 2 (the
     trace specialised sizes 0 and 1)."""
     bound: dict[Any, int] = {}
@@ -141,7 +142,7 @@ def _check_shapes(tensors: list[Tensor], placeholders: list[fx.Node]) -> None:
                     raise Unsupported(f"shape {tuple(t.shape)} where the trace had {tuple(fake.shape)}")
                 continue
             expr = traced.node.expr
-            if bound.setdefault(expr, size) != size or size < 2:
+            if (expr not in loose and bound.setdefault(expr, size) != size) or size < 2:
                 raise Unsupported(f"shape {tuple(t.shape)} where the trace had {tuple(fake.shape)}")
 
 
@@ -162,17 +163,17 @@ def trace(
     block: nn.Module, x: Tensor, args: tuple, kwargs: dict, attention_route: Callable[[], Any] | None = None
 ) -> Program:
     """Trace ``block``'s own forward on (copies of) this call's arguments; see the module docstring."""
-    from lightning_parallel.anatomy.verify import meta_copy
+    from lightning_parallel.anatomy.verify import stand_in_copy
 
-    meta = meta_copy(block)
+    copy = stand_in_copy(block)
     leaves, spec = tree_flatten(((x, *args), kwargs))
-    leaves = [_to_meta(leaf) for leaf in leaves]
+    leaves = [_stand_in(leaf) for leaf in leaves]
     tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
     dims = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
     context = attention_route() if attention_route is not None else _null()
     try:
         with _quiet(), context, torch.autocast("cpu", enabled=False):
-            ep = torch.export.export(_Flat(meta, spec, leaves), tensors, dynamic_shapes={"tensors": dims}, strict=False)
+            ep = torch.export.export(_Flat(copy, spec, leaves), tensors, dynamic_shapes={"tensors": dims}, strict=False)
     except Unsupported:
         raise
     except Exception as err:  # noqa: BLE001  (any failure to trace is a reason this source cannot serve)
@@ -180,10 +181,12 @@ def trace(
     return replace(_program(ep, spec, leaves), training=block.training)
 
 
-def _to_meta(value: Any) -> Any:
+def _stand_in(value: Any) -> Any:
+    """A stand-in for a call's tensor (its shape and device, float64; values are irrelevant to the trace)."""
     if not isinstance(value, Tensor):
         return value
-    return value.detach().to("meta", torch.float64 if value.is_floating_point() else value.dtype)
+    return torch.zeros(value.shape, dtype=torch.float64 if value.is_floating_point() else value.dtype,
+                       device=value.device)  # fmt: skip
 
 
 @contextmanager
@@ -223,6 +226,8 @@ def _program(ep: torch.export.ExportedProgram, spec: TreeSpec, leaves: list[Any]
             env[node].meta = dict(node.meta)
         elif node.op == "output":
             graph.output(fx.node.map_arg(node.args[0], lambda n: env[n]))
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default:
+            continue  # the trace's own check of a cast's dtype (float64 here), not part of the block
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     gm = fx.GraphModule(root, graph)

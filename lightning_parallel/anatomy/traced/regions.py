@@ -17,6 +17,7 @@ parts on different stages).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -30,6 +31,10 @@ from lightning_parallel.anatomy.traced.analysis import Site, expr_of
 from lightning_parallel.anatomy.traced.program import Program, _buffer, _param
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
 from lightning_parallel.anatomy.traced.tensor import _ELEMENTWISE, _IDENTITY, projections
+
+# taking parts of a fused MLP input (gate | up) along its features: still token-wise
+_PARTS = {torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+          torch.ops.aten.slice.Tensor, operator.getitem}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- MLP
@@ -46,7 +51,7 @@ def _mlp_regions(program: Program) -> list[tuple[set[fx.Node], fx.Node, fx.Node]
             if n in projs and n is not out:
                 region.add(n)
                 l1s.append(n)
-            elif n.op == "call_function" and (n.target in _ELEMENTWISE or n.target in _IDENTITY):
+            elif n.op == "call_function" and (n.target in _ELEMENTWISE or n.target in _IDENTITY or n.target in _PARTS):
                 region.add(n)
                 stack.extend(a for a in n.all_input_nodes if not _is_lookup(a))
             else:
@@ -62,6 +67,18 @@ def _mlp_regions(program: Program) -> list[tuple[set[fx.Node], fx.Node, fx.Node]
 
 def _is_lookup(node: fx.Node) -> bool:
     return node.op == "get_attr" or (node.op == "call_function" and node.target in (_param, _buffer))
+
+
+def _parameter_derived(program: Program) -> set[fx.Node]:
+    derived: set[fx.Node] = set()
+    for n in program.graph.nodes:
+        if _is_lookup(n) or (
+            n.op == "call_function"
+            and n.all_input_nodes
+            and all(a in derived or a.op == "placeholder" and a.name == "block" for a in n.all_input_nodes)
+        ):
+            derived.add(n)
+    return derived
 
 
 def _module_region(program: Program, path: str) -> tuple[set[fx.Node], fx.Node, fx.Node]:
@@ -131,8 +148,9 @@ def _subgraph(program: Program, nodes: set[fx.Node], inputs: list[fx.Node], outp
     for n in inputs:
         env[n] = graph.placeholder(n.name)
         env[n].meta = dict(n.meta)
+    derived = _parameter_derived(program)  # lookups and what is computed from them alone (a transposed weight)
     for n in program.graph.nodes:
-        if n in env or (n not in nodes and not (lookups and _is_lookup(n) and any(u in nodes for u in n.users))):
+        if n in env or (n not in nodes and not (lookups and n in derived)):
             continue
         env[n] = graph.node_copy(n, lambda a: env[a])
         env[n].meta = dict(n.meta)

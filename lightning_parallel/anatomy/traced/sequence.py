@@ -6,15 +6,18 @@ positions of this rank's tokens. A block that creates other tensors over the seq
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, fx
 
 from lightning_parallel.anatomy.base import AttentionCall, Unsupported
-from lightning_parallel.anatomy.traced.analysis import SDPA, Site
+from lightning_parallel.anatomy.traced.analysis import SDPA, Site, expr_of
 from lightning_parallel.anatomy.traced.program import Program
 from lightning_parallel.anatomy.traced.rewrite import rewrite
+
+aten = torch.ops.aten
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal")  # after query, key, value; then scale, enable_gqa by keyword
 
@@ -53,9 +56,16 @@ def sequence_parallel(program: Program, site: Site) -> Program:
         names = ", ".join(f"{n.name} ({n.target})" for n in site.sequence_factories[:3])
         raise Unsupported(f"the block creates tensors over the sequence itself ({names}); they cannot be split")
     positions, tables = set(site.positions), set(site.table_slices)
+    inputs = program.tensor_inputs()
+    whole = {inputs[i] for i in site.attention_inputs}  # masks stay whole: their length is not this rank's
+    x = inputs[0]
 
     def rule(node: fx.Node, graph: fx.Graph, env: dict) -> Any:
         shard = env["shard"]
+        if node.target == aten.sym_size.int and node.args[0] in whole and expr_of(node.meta["val"]) == site.seq:
+            new = graph.call_function(aten.sym_size.int, (env[x], site.seq_dim))  # this rank's length
+            new.meta = dict(node.meta)
+            return new
         if node is site.attention:
             new = graph.call_function(
                 _attend, (shard, *fx.node.map_arg(node.args[:3], lambda n: env[n])),
@@ -72,4 +82,4 @@ def sequence_parallel(program: Program, site: Site) -> Program:
         new.meta = dict(node.meta)
         return new
 
-    return rewrite(program, rule, extra=("shard",))
+    return replace(rewrite(program, rule, extra=("shard",)), loose=frozenset({site.seq}))

@@ -37,12 +37,11 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.base import ConfigurationError, Unsupported
-from lightning_parallel.anatomy.traced.analysis import Site
+from lightning_parallel.anatomy.traced.analysis import attention_nodes
 from lightning_parallel.anatomy.traced.program import Program, _param
 from lightning_parallel.anatomy.traced.rewrite import rewrite
 
 aten = torch.ops.aten
-ATTENTION = "attention"
 
 _IDENTITY = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
              aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default,
@@ -52,18 +51,19 @@ _MOVE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, ate
          aten.squeeze.dims, aten.squeeze.default, aten.split.Tensor, aten.split_with_sizes.default,
          aten.chunk.default, aten.unbind.int, aten.slice.Tensor, aten.select.int, aten.narrow.default,
          aten.unflatten.int, aten.flatten.using_ints, aten.cat.default, aten.stack.default,
-         aten.movedim.int, aten.repeat_interleave.self_int, aten.repeat.default}  # fmt: skip
+         aten.movedim.int, aten.repeat_interleave.self_int, aten.repeat.default, aten.index.Tensor,
+         aten.broadcast_to.default}  # fmt: skip
 _ELEMENTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
                 aten.pow.Tensor_Scalar, aten.sqrt.default, aten.rsqrt.default, aten.exp.default, aten.tanh.default,
                 aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.relu.default, aten.where.self,
                 aten.masked_fill.Scalar, aten.clamp.default, aten.abs.default, aten.reciprocal.default,
                 aten.erf.default, aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar,
                 aten.log.default, aten.sin.default, aten.cos.default, aten.square.default,
-                aten.rsub.Scalar}  # fmt: skip
+                aten.rsub.Scalar, aten.add_.Tensor, aten.mul_.Tensor, aten.div_.Tensor}  # fmt: skip
 _REDUCE = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction, aten.softmax.int,
            aten._softmax.default, aten.log_softmax.int, aten.layer_norm.default, aten.rms_norm.default}  # fmt: skip
 _PROJECTIONS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
-_TRANSPOSED = {aten.t.default, aten.transpose.int, aten.permute.default}
+_TRANSPOSED = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}
 
 
 @dataclass
@@ -83,7 +83,7 @@ class _Labels:
     unknown: dict[Any, list[str]] = field(default_factory=dict)  # source -> ops it met that no rule covers
     reductions: list[tuple[Any, Tensor, list[int]]] = field(default_factory=list)  # (source, labels, dims)
     rowwise: dict[fx.Node, dict[Any, Tensor]] = field(default_factory=dict)  # row-parallel node -> input labels
-    attention_in: dict[int, dict[Any, Tensor]] = field(default_factory=dict)  # q/k/v -> labels
+    attention_in: dict[tuple[fx.Node, int], dict[Any, Tensor]] = field(default_factory=dict)  # (call, q/k/v)
     outputs: set[Any] = field(default_factory=set)  # sources reaching the block's output
     replicated_params: dict[Any, set[str]] = field(default_factory=dict)  # source -> params applied to it
 
@@ -131,9 +131,10 @@ def _is_param(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is _param
 
 
-def _label(program: Program, site: Site, sources: set[fx.Node], projs: dict[fx.Node, Projection]) -> _Labels:
+def _label(program: Program, attentions: list[fx.Node], sources: set[fx.Node], projs: dict) -> _Labels:
     """Run the label interpreter (step 2) with ``sources`` as the column-parallel candidates."""
     out = _Labels()
+    params_of: dict[fx.Node, set[str]] = {}
     for node in program.graph.nodes:
         if node.op == "output":
             for leaf in torch.utils._pytree.tree_leaves(node.args[0]):
@@ -147,26 +148,37 @@ def _label(program: Program, site: Site, sources: set[fx.Node], projs: dict[fx.N
             n = _shape(node)
             out.values[node] = {node: torch.arange(n[-1]).expand(*n).contiguous()}
             continue
-        if node is site.attention:
+        if node in attentions:
             for i, a in enumerate(node.args[:3]):
-                out.attention_in[i] = dict(out.values.get(a, {}))
-            B, H, T, D = _shape(node)
-            labels = (torch.arange(H)[:, None, None] * D + torch.arange(D)).expand(B, H, T, D).contiguous()
-            out.values[node] = {ATTENTION: labels}
+                out.attention_in[(node, i)] = dict(out.values.get(a, {}))
+            if node.args[0] in out.values and out.values[node.args[0]]:  # sharded heads: the output is too
+                B, H, T, D = _shape(node)
+                labels = (torch.arange(H)[:, None, None] * D + torch.arange(D)).expand(B, H, T, D).contiguous()
+                out.values[node] = {node: labels}
             continue
         if not inputs:
+            derived = set().union(*(params_of.get(a, set()) for a in node.all_input_nodes))
+            if _is_param(node):
+                derived = {node.args[1]}
+            if derived:
+                params_of[node] = derived  # computed from parameters alone (e.g. 1 + weight.float())
             continue
         if node in projs:
             x = projs[node].input
             if x in inputs:
                 out.rowwise[node] = {s: t.reshape(-1, t.shape[-1])[0] for s, t in inputs[x].items()}
             continue
-        for param in node.all_input_nodes:
-            if _is_param(param):
-                for source in _sources_of(inputs):
-                    out.replicated_params.setdefault(source, set()).add(param.args[1])
+        for a in node.all_input_nodes:  # a replicated parameter applied to a shard gets a partial gradient
+            for source in _sources_of(inputs):
+                out.replicated_params.setdefault(source, set()).update(params_of.get(a, set()))
         out.values[node] = _apply(node, inputs, out)
     return out
+
+
+def base(source: Any) -> Any:
+    """The projection (or attention call) whose columns a label key names: an alias ``(source, node, k)``
+    carries the labels of a second operand of one element-wise op."""
+    return source[0] if isinstance(source, tuple) else source
 
 
 def _sources_of(inputs: dict) -> set[Any]:
@@ -178,9 +190,12 @@ def _sources_of(inputs: dict) -> set[Any]:
 
 
 def _concrete(node: fx.Node, value: Any, inputs: dict, source: Any) -> Any:
-    """``value`` (an argument of ``node``) for the label interpreter: labels for labelled nodes, -1 fills for
-    other tensors, concrete sizes for symbols."""
+    """``value`` (an argument of ``node``) for the label interpreter: labels for labelled nodes, the values of
+    the graph's constants (index lists), -1 fills for other tensors, concrete sizes for symbols."""
     if isinstance(value, fx.Node):
+        constant = _constant(value)
+        if constant is not None:
+            return constant
         labels = inputs.get(value)
         if labels is not None:
             if isinstance(labels, list):
@@ -194,6 +209,13 @@ def _concrete(node: fx.Node, value: Any, inputs: dict, source: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_concrete(node, v, inputs, source) for v in value)
     return value
+
+
+def _constant(node: fx.Node) -> Tensor | None:
+    """The value of a graph constant (an index list), through copies of it."""
+    while node.op == "call_function" and node.target in _IDENTITY and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return getattr(node.graph.owning_module, node.target) if node.op == "get_attr" else None
 
 
 def _shape_of(part: dict) -> list[int]:
@@ -251,6 +273,10 @@ def _apply(node: fx.Node, inputs: dict, out: _Labels) -> Any:
             for part in parts:  # the first labelled operand wins (the others broadcast against it)
                 merged = torch.where(merged >= 0, merged, part.expand(*shape))
             results[source] = merged
+            for k, part in enumerate(parts[1:], start=1):  # e.g. gate * up of one fused projection
+                part = part.expand(*shape)
+                if not torch.equal(part, merged):
+                    results[(base(source), node.name, k)] = part.contiguous()
         return results
     for source in sources:
         out.unknown.setdefault(source, []).append(f"{node.name} ({target})")
@@ -280,34 +306,42 @@ class Plan:
     partial: set[str]  # replicated parameters applied to sharded values
 
 
-def derive(program: Program, site: Site, tp: int) -> Plan:
+def derive(program: Program, tp: int) -> Plan:
     """Steps 1-3 of the module docstring, and the sharded dims of step 4."""
-    for what, n in (("attention heads", site.heads), ("key/value heads", site.kv_heads)):
-        if n % tp:
-            raise ConfigurationError(f"tensor_parallel_size={tp} must divide the number of {what} ({n}) of the block")
+    attentions = attention_nodes(program.graph)
+    for node in attentions:
+        q, k = (a.meta["val"] for a in node.args[:2])
+        for what, n in (("attention heads", q.shape[1]), ("key/value heads", k.shape[1])):
+            if isinstance(n, int) and n % tp:
+                raise ConfigurationError(
+                    f"tensor_parallel_size={tp} must divide the number of {what} ({n}) of the block"
+                )
     projs = projections(program)
     sources = set(projs)
     for _ in range(len(projs) + 1):  # drop sources that reach no sink, until stable
-        labels = _label(program, site, sources, projs)
-        reaching = {s for sink in (*labels.attention_in.values(), *labels.rowwise.values()) for s in sink}
-        kept = {s for s in sources if s in reaching}
+        labels = _label(program, attentions, sources, projs)
+        reaching = {base(s) for sink in (*labels.attention_in.values(), *labels.rowwise.values()) for s in sink}
+        # a source whose columns reach the block's output, an op without a rule, or a reduction wider than one
+        # rank's share cannot be column-parallel (e.g. a projection followed by a norm over the hidden size)
+        bad = {base(s) for s in labels.outputs | set(labels.unknown)} | _wide(labels, tp, projs)
+        kept = {s for s in sources if s in reaching and s not in bad}
         if kept == sources:
             break
         sources = kept
-    ranks = _ranks(labels, site, tp, projs)
-    for source in ranks:
-        name = getattr(source, "name", source)
-        if source in labels.outputs:
-            raise Unsupported(f"the column-parallel output of {name} reaches the block's output")
-        if labels.unknown.get(source):
+    ranks = _ranks(labels, tp, projs)
+    for source in {*labels.outputs, *labels.unknown}:
+        name = getattr(base(source), "name", source)
+        if base(source) in ranks and source in labels.outputs:
+            raise Unsupported(f"the sharded output of {name} reaches the block's output")
+        if base(source) in ranks and labels.unknown.get(source):
             ops = ", ".join(labels.unknown[source][:2])
             raise Unsupported(f"tensor parallelism does not know how {ops} treats a shard of {name}")
     for source, values, dims in labels.reductions:
-        if source in ranks and not _within_rank(values, ranks[source], dims):
+        if base(source) in ranks and not _within_rank(values, ranks[base(source)], dims):
             raise Unsupported("the block reduces across the tensor-parallel shards (e.g. a norm over all heads)")
     shard_dims = {node: _slab_dims(value, ranks, tp, node) for node, value in labels.values.items() if value}
-    colwise = {n: projs[n] for n in ranks if isinstance(n, fx.Node) and n in projs}
-    rowwise = {n: projs[n] for n in labels.rowwise if set(labels.rowwise[n]) & set(ranks)}
+    colwise = {n: projs[n] for n in ranks if n in projs}
+    rowwise = {n: projs[n] for n in labels.rowwise if {base(s) for s in labels.rowwise[n]} & set(ranks)}
     parameters: dict[str, tuple[int, Tensor | None]] = {}
     for node, proj in colwise.items():
         perm = torch.argsort(ranks[node], stable=True)
@@ -320,8 +354,26 @@ def derive(program: Program, site: Site, tp: int) -> Plan:
         perm = torch.argsort(position, stable=True)
         identity = torch.equal(perm, torch.arange(len(perm)))
         _assign(parameters, proj.weight, (1 - proj.out_dim, None if identity else perm))
-    partial = {p for s in ranks for p in labels.replicated_params.get(s, ())} - set(parameters)
+    if not parameters:
+        raise Unsupported("no projection of the block can be sharded (none feeds attention or a second projection)")
+    partial = {p for s, ps in labels.replicated_params.items() if base(s) in ranks for p in ps} - set(parameters)
     return Plan(colwise, rowwise, ranks, shard_dims, parameters, partial)
+
+
+def _wide(labels: _Labels, tp: int, projs: dict) -> set[Any]:
+    """Sources a reduction spans more columns of than one rank will own."""
+    wide = set()
+    for source, values, dims in labels.reductions:
+        if source not in projs:
+            continue
+        row = values
+        for d in range(values.dim()):
+            if d not in dims:
+                row = row.narrow(d, 0, 1)
+        distinct = row[row >= 0].unique().numel()
+        if distinct > _hint(projs[base(source)].node.meta["val"].shape[-1]) // tp:
+            wide.add(base(source))
+    return wide
 
 
 def _assign(parameters: dict, name: str, value: tuple[int, Tensor | None]) -> None:
@@ -330,12 +382,14 @@ def _assign(parameters: dict, name: str, value: tuple[int, Tensor | None]) -> No
     parameters[name] = value
 
 
-def _ranks(labels: _Labels, site: Site, tp: int, projs: dict) -> dict[Any, Tensor]:
+def _ranks(labels: _Labels, tp: int, projs: dict) -> dict[Any, Tensor]:
     """Rank of every column of every sharded source: from the heads at attention, from the contiguous
-    slices at row-parallel inputs; conflicts and columns no sink claims refuse the plan."""
+    slices at row-parallel inputs; conflicts and columns no sink claims refuse the plan. A sharded attention
+    call's output is a source too (labels ``h * D + d``: head h goes to rank h // (H / tp))."""
     ranks: dict[Any, Tensor] = {}
 
     def claim(source: Any, columns: Tensor, rank: Tensor) -> None:
+        source = base(source)
         width = _hint(projs[source].node.meta["val"].shape[-1])
         current = ranks.setdefault(source, torch.full((width,), -1, dtype=torch.long))
         columns, rank = columns.reshape(-1), rank.reshape(-1)
@@ -345,27 +399,26 @@ def _ranks(labels: _Labels, site: Site, tp: int, projs: dict) -> dict[Any, Tenso
             raise Unsupported(f"the columns of {source.name} would go to two ranks")
         current[columns] = rank
 
-    for i, by_source in labels.attention_in.items():
-        heads = site.heads if i == 0 else site.kv_heads
-        for source, values in by_source.items():  # (B, H, T, D): head h -> rank h // (H / tp)
-            if source != ATTENTION:
+    for (_, _), by_source in labels.attention_in.items():
+        for source, values in by_source.items():  # (B, heads, T, D): head h -> rank h // (heads / tp)
+            if base(source) in projs:
+                heads = values.shape[1]
                 claim(source, values, (torch.arange(heads) // (heads // tp))[None, :, None, None].expand(*values.shape))
     for by_source in labels.rowwise.values():
         width = len(next(iter(by_source.values())))
         if width % tp:
             raise ConfigurationError(f"tensor_parallel_size={tp} must divide the input width ({width}) of a projection")
         for source, values in by_source.items():
-            if source != ATTENTION:
+            if base(source) in projs:
                 claim(source, values, torch.arange(width) // (width // tp))
     for source, current in ranks.items():
         counts = torch.bincount(current[current >= 0], minlength=tp)
         if (current < 0).any() or not (counts == len(current) // tp).all():
             raise Unsupported(f"the columns of {source.name} do not split evenly over tensor_parallel_size={tp}")
-    if ranks and ATTENTION in labels.outputs:
-        raise Unsupported("the attention output reaches the block's output without a row-parallel projection")
-    if any(ATTENTION in sink for sink in labels.rowwise.values()):
-        _, H, _, D = _shape(site.attention)
-        ranks[ATTENTION] = torch.arange(H * D) // D // (H // tp)  # attention labels are h * D + d
+    for node, value in labels.values.items():  # sharded attention calls
+        if node not in projs and isinstance(value, dict) and node in value:
+            _, H, _, D = _shape(node)
+            ranks[node] = torch.arange(H * D) // D // (H // tp)
     return ranks
 
 
@@ -374,9 +427,9 @@ def _row_ranks(by_source: dict[Any, Tensor], ranks: dict[Any, Tensor]) -> Tensor
     width = len(next(iter(by_source.values())))
     position = torch.full((width,), -1, dtype=torch.long)
     for source, values in by_source.items():
-        if source in ranks:
+        if base(source) in ranks:
             valid = values >= 0
-            position[valid] = ranks[source][values[valid]]
+            position[valid] = ranks[base(source)][values[valid]]
     if (position < 0).any():
         raise Unsupported("a row-parallel projection's input mixes sharded and replicated values")
     return position
@@ -396,9 +449,9 @@ def _slab_dims(value: Any, ranks: dict[Any, Tensor], tp: int, node: fx.Node) -> 
         return [_slab_dims(part, ranks, tp, node) if part else None for part in value]
     rank = None
     for source, labels in value.items():
-        if source not in ranks:
+        if base(source) not in ranks:
             continue
-        r = torch.where(labels >= 0, ranks[source][labels.clamp(min=0)], -1)
+        r = torch.where(labels >= 0, ranks[base(source)][labels.clamp(min=0)], -1)
         rank = r if rank is None else torch.where(rank >= 0, rank, r)
     if rank is None:
         return None
@@ -414,12 +467,12 @@ def _slab_dims(value: Any, ranks: dict[Any, Tensor], tp: int, node: fx.Node) -> 
 
 
 # ---------------------------------------------------------------------------------------- localise
-def tensor_parallel(program: Program, site: Site, block: nn.Module, config: Any, layout: Any, prefix: str) -> Program:
+def tensor_parallel(program: Program, block: nn.Module, config: Any, layout: Any, prefix: str) -> Program:
     """Shard ``block``'s parameters per the derived plan (recording permutations in ``layout``) and return the
     localised program (step 4)."""
     mesh = config.tp_mesh
     tp, group = mesh.size(), mesh.get_group()
-    plan = derive(program, site, tp)
+    plan = derive(program, tp)
     for name, (dim, perm) in plan.parameters.items():
         owner_name, _, attr = name.rpartition(".")
         owner = block.get_submodule(owner_name) if owner_name else block
@@ -489,7 +542,8 @@ def _local_move(node: fx.Node, graph: fx.Graph, env: dict, plan: Plan, tp: int) 
         return None
     args = list(fx.node.map_arg(node.args, lambda n: env[n]))
     target = node.target
-    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                  aten.broadcast_to.default):  # fmt: skip
         if out_dim is None:
             return None
         shape = list(args[1])

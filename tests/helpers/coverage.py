@@ -1,0 +1,111 @@
+"""The coverage matrix: strategy columns, and one cell's run (parity with one process, or the clear error a
+configuration gets), shared by the matrix test, the adapters-off test and the README table."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
+from tests.helpers.distributed import RankFailed
+from tests.helpers.parity import assert_parity
+
+# name -> (strategy factory, data-parallel size); every column runs on 2 ranks
+COLUMNS = {
+    "pipeline": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 1),
+    "helix": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 1),
+    "tensor_parallel": (lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 1),
+    "ulysses": (lambda: HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2), 1),
+    "ring": (
+        lambda: HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, sequence_parallel_mode="ring"),
+        1,
+    ),
+    "hybrid": (lambda: HybridParallelStrategy(data_parallel_size=2, recompute="no_attention", mlp_chunks=2), 2),
+}
+WORLD_SIZE = 2
+COLUMN_TITLES = {
+    "pipeline": "pipeline pp=2",
+    "helix": "helix p=2",
+    "tensor_parallel": "tensor_parallel tp=2",
+    "ulysses": "sequence_parallel Ulysses sp=2",
+    "ring": "sequence_parallel ring sp=2",
+    "hybrid": "hybrid dp=2, no_attention, mlp_chunks=2",
+}
+# the library's own errors: a cell that fails must end with one of these, never an internal traceback
+CLEAR = re.compile(r"lightning_parallel\.anatomy\.base\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
+
+
+@dataclass
+class Cell:
+    status: str  # "parity" or "error"
+    anatomy: str  # the anatomy that served, or "" (none needed)
+    message: str = ""
+
+
+def run_cell(row: str, column: str, factory: object = None) -> Cell:
+    """Train ``row`` under ``column`` against one process (float32 with SGD, DESIGN §6). A failing rank's
+    error is returned if it is one of the library's clear errors; anything else propagates."""
+    make, dp = COLUMNS[column]
+    try:
+        records = assert_parity(row, factory or make, WORLD_SIZE, data_parallel_size=dp, dtype="float32", steps=2)
+    except RankFailed as failure:
+        match = CLEAR.search(str(failure))
+        if match is None:
+            raise
+        return Cell("error", "", match.group(2))
+    names = sorted({n for r in records for n in r.anatomy})
+    return Cell("parity", ", ".join(names))
+
+
+ROW_TITLES = {
+    "hf:gpt2": "Hugging Face GPT-2",
+    "hf:llama": "Hugging Face Llama",
+    "hf:qwen2": "Hugging Face Qwen2",
+    "hf:qwen3": "Hugging Face Qwen3",
+    "hf:mistral": "Hugging Face Mistral (sliding window 8)",
+    "hf:gemma3": "Hugging Face Gemma 3 (sliding + full layers)",
+    "hf:phi3": "Hugging Face Phi-3",
+    "hf:neox": "Hugging Face GPT-NeoX",
+    "hf:opt": "Hugging Face OPT",
+    "hf:falcon": "Hugging Face Falcon (new decoder architecture)",
+    "hf:gptj": "Hugging Face GPT-J",
+    "hf:mixtral": "Hugging Face Mixtral (MoE)",
+    "hf:bert": "Hugging Face BERT (masked LM)",
+    "litgpt": "litgpt GPT",
+    "timm:vit": "timm VisionTransformer (torchvision stubbed, see below)",
+    "lightning:demo": "Lightning demo Transformer (encoder-decoder)",
+    "home:rope": "home-written, RoPE inside the block",
+    "home:fused": "home-written, fused q\\|k\\|v, heads in `nh`",
+}
+_SHORT = {"the traced graph": "traced", "hugging_face": "HF metadata"}
+
+
+def markdown(results: dict[tuple[str, str], Cell]) -> str:
+    """The matrix as a Markdown table: a cell is parity (with the anatomy that served it) or the clear error."""
+    rows = [r for r in ROW_TITLES if any((r, c) in results for c in COLUMNS)]
+    lines = ["| model | " + " | ".join(COLUMN_TITLES[c] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    errors: list[str] = []
+    for row in rows:
+        cells = []
+        for column in COLUMNS:
+            cell = results.get((row, column))
+            if cell is None:
+                cells.append("not run")
+            elif cell.status == "parity":
+                served = ", ".join(
+                    _SHORT.get(a.strip(), a.strip().replace("adapter ", "adapter "))
+                    for a in cell.anatomy.split(",")
+                    if a.strip()
+                )
+                cells.append("parity" + (f" ({served})" if served else ""))
+            else:
+                errors.append(f"{ROW_TITLES[row]}, {COLUMN_TITLES[column]}: {cell.message.splitlines()[0]}")
+                cells.append(f"clear error [{len(errors)}]")
+        lines.append(f"| {ROW_TITLES[row]} | " + " | ".join(cells) + " |")
+    passed = sum(c.status == "parity" for c in results.values())
+    lines += [
+        "",
+        f"{passed} of {len(results)} cells reproduce single-process training ({100 * passed / len(results):.0f} %).",
+    ]
+    lines += [""] + [f"[{i}] {e}" for i, e in enumerate(errors, 1)]
+    return "\n".join(lines) + "\n"
