@@ -230,5 +230,9 @@ def _program(ep: torch.export.ExportedProgram, spec: TreeSpec, leaves: list[Any]
             continue  # the trace's own check of a cast's dtype (float64 here), not part of the block
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.target is torch.ops.aten.view.default:
+                # the trace saw one memory layout (a .contiguous() it found a no-op is not in the graph); a
+                # distributed attention call or a shard may return another: reshape gives the same values
+                env[node].target = torch.ops.aten.reshape.default
     gm = fx.GraphModule(root, graph)
     return Program(gm, spec, leaves, ep.call_spec.out_spec)
