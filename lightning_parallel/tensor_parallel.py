@@ -269,12 +269,30 @@ class _LocalCompute:
     def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
         self.module, self.mesh = module, mesh
 
-    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
-        params = {n: p.to_local() for n, p in self.module.named_parameters() if isinstance(p, DTensor)}
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        params = {f"module.{n}": p.to_local() for n, p in self.module.named_parameters() if isinstance(p, DTensor)}
         group = self.mesh.get_group()
-        hidden = _collectives.copy_to_group(hidden, group)  # its gradient is summed over the ranks
-        out = torch.func.functional_call(self.module, params, (hidden, *args), kwargs, strict=False, tie_weights=False)
+        # every floating input's gradient (the hidden state, the routing weights) is summed over the ranks
+        args = tuple(_collectives.copy_to_group(a, group) if _floating(a) else a for a in args)
+        out = torch.func.functional_call(
+            _ClassForward(self.module), params, args, kwargs, strict=False, tie_weights=False
+        )
         return _collectives.reduce_from_group(out, group)
+
+
+class _ClassForward(nn.Module):
+    """``module``'s class forward (its instance forward is the :class:`_LocalCompute` calling this)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad
 
 
 def local(t: Tensor) -> Tensor:

@@ -3,9 +3,11 @@
 1. an explicit ``adapter=`` (a hand-written adapter's name or the user's object); if it fails, that is
    the error (no fall-through);
 2. the hand-written adapters whose attribute names match the block (fast paths);
-3. the block's own forward, where the user named what it lacks (``tp_plan=``, ``mlp_module=``);
-4. the block's graph, traced on the first real input: :mod:`lightning_parallel.anatomy.traced`;
-5. otherwise an :class:`~lightning_parallel.anatomy.base.AnatomyError` naming the block class, every
+3. Hugging Face blocks, from the model's own metadata (``config.base_model_tp_plan``, the
+   attention-function registry): :mod:`lightning_parallel.anatomy.hugging_face`;
+4. the block's own forward, where the user named what it lacks (``tp_plan=``, ``mlp_module=``);
+5. the block's graph, traced on the first real input: :mod:`lightning_parallel.anatomy.traced`;
+6. otherwise an :class:`~lightning_parallel.anatomy.base.AnatomyError` naming the block class, every
    source tried, why each failed, and ``adapter=``.
 
 The first block of a trunk decides the source; the trunk's other blocks use the same one (each still
@@ -22,7 +24,7 @@ from torch import Tensor, nn
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
 from lightning_parallel.anatomy.base import Unsupported
 
-SOURCES = ("adapters", "own_forward", "traced")
+SOURCES = ("adapters", "hugging_face", "own_forward", "traced")
 
 
 def candidates(
@@ -46,7 +48,7 @@ def _all(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> I
         elif source == "hugging_face":
             from lightning_parallel.anatomy import hugging_face
 
-            yield "hugging_face", _attempt(lambda: hugging_face.anatomy_of(block, config))
+            yield "hugging_face", _attempt(lambda: hugging_face.anatomy_of(block, sample, config))
         elif source == "own_forward" and (config.tp_plan is not None or config.mlp_module is not None):
             from lightning_parallel.anatomy.own import OwnAnatomy
 

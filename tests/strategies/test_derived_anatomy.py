@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.coverage import COLUMNS
-from tests.helpers.parity import assert_parity
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import assert_parity, build
 
 
 def _without_adapters(make):
@@ -28,3 +29,26 @@ def test_example_models_through_the_traced_graph_alone(model, column):
     for records in assert_parity(model, _without_adapters(make), 2, data_parallel_size=dp):
         # plain pipelining needs no anatomy; every other column composes its blocks from the traced graph
         assert set(records.anatomy) == (set() if column == "pipeline" else {"the traced graph"}), records.anatomy
+
+
+def _fit_with_validation(rank, world_size, column):
+    from tests.helpers.trainers import quick_fit
+
+    make, _ = COLUMNS[column]
+    module, data = build("gpt", 8, "sgd")
+    trainer = quick_fit(module, data, _without_adapters(make)(), world_size, steps=2, limit_val_batches=2,
+                        val_check_interval=2)  # fmt: skip
+    return float(trainer.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize("column", ["tensor_parallel", "ulysses", "helix"])
+def test_traced_blocks_run_again_in_eval_mode_for_validation(column):
+    from tests.helpers.parity import _OneReplicaSampler
+    from tests.helpers.trainers import quick_fit
+
+    module, data = build("gpt", 8, "sgd")  # the batches a one-replica DistributedSampler gives, as the ranks get
+    trainer = quick_fit(module, data, "auto", 1, steps=2, limit_val_batches=2, val_check_interval=2,
+                        callbacks=[_OneReplicaSampler()])  # fmt: skip
+    want = float(trainer.callback_metrics["val_loss"])
+    for got in run_distributed(_fit_with_validation, 2, column, init_process_group=False):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)

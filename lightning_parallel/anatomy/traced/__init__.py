@@ -85,20 +85,14 @@ class TracedAnatomy:
         return tuple(new_args), new_kwargs
 
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> GraphForward:
-        from lightning_parallel.anatomy.traced.sequence import sequence_parallel
-
-        program = self.program
+        plan = None
         if config.tp > 1:
-            from lightning_parallel.anatomy.traced.tensor import tensor_parallel
+            from lightning_parallel.anatomy.traced.tensor import derive, shard
 
-            program = tensor_parallel(program, block, config, tp_layout, prefix)
-        if config.mlp_chunks > 1:
-            from lightning_parallel.anatomy.traced.regions import chunk_mlp
-
-            program = chunk_mlp(program, config.mlp_chunks, self.block_name, config.mlp_module)
-        if config.sp > 1:
-            program = sequence_parallel(program, self.site)
-        return GraphForward(program, sequence=config.sp > 1)
+            plan = derive(self.program, config.tp)
+            shard(block, plan, config.tp_mesh, tp_layout, prefix)
+        recipe = _Recipe(self.program, config, plan, self.block_name)
+        return GraphForward(recipe, {self.program.training: recipe.transform(self.program)})
 
     def helix_split(self, block: nn.Module, config: Any) -> Split:
         from lightning_parallel.anatomy.traced.regions import split
@@ -106,24 +100,62 @@ class TracedAnatomy:
         return split(self.program, self.site, config, self.block_name)
 
 
-class GraphForward:
-    """A transformed program as the block's inner forward: retargeted to the call's dtype and device."""
+class _Recipe:
+    """The transforms a block's program goes through for this rank's configuration, re-applicable to the
+    block traced again (in the other mode: evaluation after training)."""
 
-    def __init__(self, program: Program, sequence: bool) -> None:
-        self.program, self.sequence = program, sequence
-        self._targets: dict[tuple[torch.dtype, torch.device], Program] = {}
+    def __init__(self, program: Program, config: Any, plan: Any, block_name: str) -> None:
+        self.program, self.config, self.plan, self.block_name = program, config, plan, block_name
+
+    def __deepcopy__(self, memo: dict) -> _Recipe:
+        return self
+
+    def transform(self, program: Program) -> Program:
+        from lightning_parallel.anatomy.traced.sequence import sequence_parallel
+
+        config = self.config
+        site = analyse(program) if config.sp > 1 else None
+        if config.tp > 1:
+            from lightning_parallel.anatomy.traced.tensor import localise
+
+            program = localise(program, config.tp_mesh, self.plan)
+        if config.mlp_chunks > 1:
+            from lightning_parallel.anatomy.traced.regions import chunk_mlp
+
+            program = chunk_mlp(program, config.mlp_chunks, self.block_name, config.mlp_module)
+        if site is not None:
+            program = sequence_parallel(program, analyse(program))
+        return program
+
+    def traced_in(self, block: nn.Module, training: bool) -> Program:
+        """The block traced again with its mode set to ``training`` (on the first trace's stand-in arguments)."""
+        (x, *args), kwargs = tree_unflatten(self.program.leaves, self.program.spec)
+        mode = block.training
+        try:
+            block.train(training)
+            return self.transform(trace(block, x, tuple(args), kwargs))
+        finally:
+            block.train(mode)
+
+
+class GraphForward:
+    """A transformed program as the block's inner forward: retargeted to the call's dtype and device, and
+    traced again (same transforms) the first time the block runs in the other mode."""
+
+    def __init__(self, recipe: _Recipe, programs: dict[bool, Program]) -> None:
+        self.recipe, self.programs = recipe, programs
+        self._targets: dict[tuple[bool, torch.dtype, torch.device], Program] = {}
 
     def __deepcopy__(self, memo: dict) -> GraphForward:
         return self
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
-        if block.training != self.program.training:
-            raise Unsupported(
-                f"the block was traced in {'training' if self.program.training else 'eval'} mode and is now run in"
-                f" {'training' if block.training else 'eval'} mode"
-            )
-        key = (x.dtype, x.device)
+        mode = block.training
+        if mode not in self.programs:
+            with torch.inference_mode(False):
+                self.programs[mode] = self.recipe.traced_in(block, mode)
+        key = (mode, x.dtype, x.device)
         program = self._targets.get(key)
         if program is None:
-            program = self._targets[key] = self.program.retargeted(*key)
-        return program(block, x, args, kwargs, *((shard,) if self.sequence else ()))
+            program = self._targets[key] = self.programs[mode].retargeted(x.dtype, x.device)
+        return program(block, x, args, kwargs, *((shard,) if self.recipe.config.sp > 1 else ()))

@@ -34,12 +34,6 @@ _FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.emp
               aten.new_empty.default, aten.zeros_like.default}  # fmt: skip
 
 
-def hf_attention_op() -> Any:
-    from lightning_parallel.anatomy import hugging_face  # noqa: F401  (registers the op)
-
-    return torch.ops.lightning_parallel.hf_attention.default
-
-
 @dataclass
 class Site:
     """The anatomy a traced graph shows (see the module docstring)."""
@@ -67,12 +61,12 @@ def expr_of(value: Any) -> Any:
 
 
 def attention_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """SDPA calls, and Hugging Face attention calls made through the registry while tracing."""
     targets = {SDPA, *_FUSED}
-    try:
-        targets.add(hf_attention_op())
-    except Exception:  # noqa: BLE001  (transformers not installed)
-        pass
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    return [
+        n for n in graph.nodes
+        if n.op == "call_function" and (n.target in targets or getattr(n.target, "hf_attention_call", False))
+    ]  # fmt: skip
 
 
 def analyse(program: Program) -> Site:

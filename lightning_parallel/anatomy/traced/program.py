@@ -160,7 +160,7 @@ def _quiet() -> Any:
 
 
 def trace(
-    block: nn.Module, x: Tensor, args: tuple, kwargs: dict, attention_route: Callable[[], Any] | None = None
+    block: nn.Module, x: Tensor, args: tuple, kwargs: dict, attention_route: Callable[[nn.Module], Any] | None = None
 ) -> Program:
     """Trace ``block``'s own forward on (copies of) this call's arguments; see the module docstring."""
     from lightning_parallel.anatomy.verify import stand_in_copy
@@ -170,7 +170,7 @@ def trace(
     leaves = [_stand_in(leaf) for leaf in leaves]
     tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
     dims = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
-    context = attention_route() if attention_route is not None else _null()
+    context = attention_route(copy) if attention_route is not None else _null()
     try:
         with _quiet(), context, torch.autocast("cpu", enabled=False):
             ep = torch.export.export(_Flat(copy, spec, leaves), tensors, dynamic_shapes={"tensors": dims}, strict=False)

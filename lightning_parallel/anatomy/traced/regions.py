@@ -32,6 +32,7 @@ from lightning_parallel.anatomy.traced.program import Program, _buffer, _param
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
 from lightning_parallel.anatomy.traced.tensor import _ELEMENTWISE, _IDENTITY, projections
 
+_DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
 # taking parts of a fused MLP input (gate | up) along its features: still token-wise
 _PARTS = {torch.ops.aten.chunk.default, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
           torch.ops.aten.slice.Tensor, operator.getitem}  # fmt: skip
@@ -294,11 +295,19 @@ class _Part:
     def __init__(self, program: Program, gm: fx.GraphModule) -> None:
         self.program = replace(program, gm=gm)
         self._targets: dict[Any, Program] = {}
+        self.dropout = any(  # a random op whose rate the trace fixed for its mode
+            n.op == "call_function" and n.target in _DROPOUT and len(n.args) > 1 and n.args[1] for n in gm.graph.nodes
+        )
 
     def __deepcopy__(self, memo: dict) -> _Part:
         return self
 
     def _run(self, like: Tensor, block: nn.Module, inputs: list[Tensor], tensors: list[Any]) -> tuple:
+        if self.dropout and block.training != self.program.training:
+            raise ConfigurationError(
+                f"{type(block).__name__} was split for HelixPipe in {'training' if self.program.training else 'eval'}"
+                " mode and has dropout; evaluating it in the other mode needs dropout=0 (or a hand-written adapter)"
+            )
         key = (like.dtype, like.device)
         target = self._targets.get(key)
         if target is None:

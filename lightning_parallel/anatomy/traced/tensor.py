@@ -467,12 +467,8 @@ def _slab_dims(value: Any, ranks: dict[Any, Tensor], tp: int, node: fx.Node) -> 
 
 
 # ---------------------------------------------------------------------------------------- localise
-def tensor_parallel(program: Program, block: nn.Module, config: Any, layout: Any, prefix: str) -> Program:
-    """Shard ``block``'s parameters per the derived plan (recording permutations in ``layout``) and return the
-    localised program (step 4)."""
-    mesh = config.tp_mesh
-    tp, group = mesh.size(), mesh.get_group()
-    plan = derive(program, tp)
+def shard(block: nn.Module, plan: Plan, mesh: Any, layout: Any, prefix: str) -> None:
+    """Shard ``block``'s parameters per ``plan``, recording permutations and partial gradients in ``layout``."""
     for name, (dim, perm) in plan.parameters.items():
         owner_name, _, attr = name.rpartition(".")
         owner = block.get_submodule(owner_name) if owner_name else block
@@ -484,7 +480,18 @@ def tensor_parallel(program: Program, block: nn.Module, config: Any, layout: Any
         sharded = distribute_tensor(param.detach(), mesh, [Shard(dim)], src_data_rank=None)
         setattr(owner, attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
     layout.partial += [block.get_parameter(n) for n in sorted(plan.partial)]
-    return _localise(program, plan, tp, group)
+
+
+def localise(program: Program, mesh: Any, plan: Plan | None = None) -> Program:
+    """``program`` on this rank's shards (step 4); ``plan`` must be the one the parameters were sharded by
+    (a program traced again, e.g. in eval mode, must derive the same one)."""
+    tp = mesh.size()
+    derived = derive(program, tp)
+    if plan is not None and {n: d for n, (d, _) in derived.parameters.items()} != {
+        n: d for n, (d, _) in plan.parameters.items()
+    }:
+        raise Unsupported("the block traced again derives another tensor-parallel plan (its graph depends on its mode)")
+    return _localise(program, derived, tp, mesh.get_group())
 
 
 def _localise(program: Program, plan: Plan, tp: int, group: Any) -> Program:

@@ -1,0 +1,316 @@
+"""Hugging Face blocks (transformers >= 5), from the model's own metadata instead of attribute names:
+
+- **Tensor parallelism**: the block's entries of the config's ``base_model_tp_plan`` (``"layers.*.self_attn
+  .q_proj": "colwise"``), applied with plain DTensor styles; the model's own forward runs on the shards
+  (Hugging Face forwards shape their projections by ``-1`` heads). A family whose forward uses its global
+  head count (GPT-J) fails verification and falls through to the traced graph.
+- **Attention through the registry**: the config's ``_attn_implementation`` is pointed at
+  ``lightning_parallel_<original>``, registered with ``AttentionInterface`` together with the original's mask
+  function in ``AttentionMaskInterface`` (a registered attention function without its mask function would
+  silently drop the mask). Outside the block layer it runs the original; under sequence parallelism it is
+  :func:`lightning_parallel.sequence_parallel.attend` (Ulysses or ring) around the original, called by the
+  model's own forward; while HelixPipe traces the block it is one custom op, where the graph is cut.
+- **Sequence arguments**: the Hugging Face calling convention (``position_embeddings``, ``position_ids``,
+  ``cache_position`` carry the sequence; ``attention_mask`` stays whole for the attention).
+- **MLP**: the block's ``mlp``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+
+from lightning_parallel.anatomy.base import AttentionCall, ConfigurationError, Split, Unsupported
+
+PREFIX = "lightning_parallel_"
+STYLES = {  # base_model_tp_plan style -> this library's module style
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_replicated_output",
+    "rowwise_split_input": "rowwise_replicated_input",
+    "packed_colwise": "packed_colwise",
+    "replicated_with_grad_allreduce": "replicated_partial_grad",
+    "moe_tp_experts": "experts_partial_output",
+}
+SEQUENCE_KWARGS = {"position_ids": -1, "cache_position": -1}  # and position_embeddings=(cos, sin): dim -2
+
+
+@dataclass
+class _Route:
+    """Where this call of the registered attention function goes (set by the block layer around a block)."""
+
+    shard: Any = None  # a sequence shard: distributed attention
+    trace: dict[str, tuple[str, dict]] | None = None  # tracing: key -> (module path, static kwargs)
+    block: nn.Module | None = None
+    calls: int = 0
+    names: dict[int, str] = field(default_factory=dict)
+
+
+_ROUTE: ContextVar[_Route | None] = ContextVar("lightning_parallel_hf_route", default=None)
+
+
+@contextmanager
+def routed(route: _Route) -> Iterator[_Route]:
+    token = _ROUTE.set(route)
+    try:
+        yield route
+    finally:
+        _ROUTE.reset(token)
+
+
+def _original(module: nn.Module, name: str) -> Any:
+    """The attention function the model would call for implementation ``name``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _attention(original: str) -> Any:
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  **kwargs: Any) -> tuple[Tensor, None]:  # fmt: skip
+        fn = _original(module, original)
+        route = _ROUTE.get()
+        if route is None:
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        route.calls += 1
+        if route.trace is not None:
+            return _traced(route, module, query, key, value, attention_mask, original, kwargs), None
+        shard = route.shard
+        sliding = kwargs.get("sliding_window")
+        if shard.mode == "ring" and attention_mask is None and sliding is not None and shard.length > sliding:
+            raise ConfigurationError(
+                f"sequence_parallel_mode='ring' needs the sliding window ({sliding}) as an explicit mask; the"
+                f" {type(module).__name__} call passed none: use sequence_parallel_mode='ulysses'"
+            )
+
+        def inner(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return fn(module, q, k, v, attention_mask, **kwargs)[0].transpose(1, 2)
+
+        def info() -> AttentionCall:
+            causal = getattr(module, "is_causal", True) and attention_mask is None
+            return AttentionCall(causal, kwargs.get("scaling"), kwargs.get("dropout", 0.0), attention_mask,
+                                 kwargs.get("softcap"))  # fmt: skip
+
+        from lightning_parallel.sequence_parallel import attend
+
+        return attend(shard, query, key, value, inner, info).transpose(1, 2).contiguous(), None
+
+    attention.__name__ = f"{PREFIX}{original}"
+    return attention
+
+
+def register(original: str) -> str:
+    """Register ``lightning_parallel_<original>`` (attention and mask function); returns the name."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"{PREFIX}{original}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        if original not in ALL_MASK_ATTENTION_FUNCTIONS:
+            raise Unsupported(f"transformers has no mask function for attention implementation {original!r}")
+        AttentionInterface.register(name, _attention(original))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    return name
+
+
+# ------------------------------------------------------------------------------ the cut (tracing)
+@torch.library.custom_op("lightning_parallel::hf_attention", mutates_args=())
+def hf_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, call: str) -> Tensor:
+    """A Hugging Face attention call as one op of a traced graph (HelixPipe's cut); the split replaces it by
+    the call itself, so this body only runs if a graph is executed unsplit."""
+    raise RuntimeError("lightning_parallel::hf_attention runs only inside a split traced graph")
+
+
+@hf_attention.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, call: str) -> Tensor:
+    B, H, T, _ = query.shape
+    return query.new_empty(B, T, H, value.shape[-1])
+
+
+def _traced(route: _Route, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, original: str,
+            kwargs: dict) -> Tensor:  # fmt: skip
+    if any(isinstance(value, Tensor) for n, value in kwargs.items() if n not in SEQUENCE_KWARGS):
+        raise Unsupported(f"its attention call takes tensors besides q, k, v and the mask ({sorted(kwargs)})")
+    assert route.trace is not None and route.block is not None
+    if not route.names:
+        route.names = {id(m): n for n, m in route.block.named_modules()}
+    static = {n: value for n, value in kwargs.items() if not isinstance(value, Tensor)}
+    key = f"call{len(route.trace)}"
+    route.trace[key] = (route.names[id(module)], {**static, "_original": original})
+    return torch.ops.lightning_parallel.hf_attention(q, k, v, mask, key)
+
+
+def resolve_calls(gm: fx.GraphModule, calls: dict[str, tuple[str, dict]]) -> None:
+    """Make each traced attention op of ``gm`` call the model's attention function with the block's module
+    (``(q, k, v, mask, block)``: q, k, v stay the first arguments, as for SDPA)."""
+    block = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.lightning_parallel.hf_attention.default:
+            q, k, v, mask, key = node.args
+            path, kwargs = calls[key]
+            node.target = _call(path, kwargs)
+            node.args = (q, k, v, mask, block)
+    gm.recompile()
+
+
+def _call(path: str, kwargs: dict) -> Any:
+    kwargs = dict(kwargs)
+    original = kwargs.pop("_original")
+
+    def hf_attention_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block: nn.Module) -> Tensor:
+        module = block.get_submodule(path)
+        return _original(module, original)(module, q, k, v, mask, **kwargs)[0]
+
+    hf_attention_call.hf_attention_call = True  # type: ignore[attr-defined]  (what the graph analysis cuts at)
+    return hf_attention_call
+
+
+# ---------------------------------------------------------------------------------------- anatomy
+def _configs(block: nn.Module) -> list[Any]:
+    from transformers import PretrainedConfig
+
+    seen: dict[int, Any] = {}
+    for module in block.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            seen[id(config)] = config
+    return list(seen.values())
+
+
+def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> HuggingFaceAnatomy:
+    if "transformers" not in sys.modules:
+        raise Unsupported("not a Hugging Face block (transformers is not imported)")
+    configs = _configs(block)
+    if not configs:
+        raise Unsupported("not a Hugging Face block (no PretrainedConfig on it)")
+    if config.tp_sequence_parallel:
+        raise Unsupported(
+            "tp_sequence_parallel=True: the model's own forward shapes its projections by the whole sequence"
+        )
+    return HuggingFaceAnatomy(configs[0], sample, family_level=not config.split)
+
+
+class HuggingFaceAnatomy:
+    name = "hugging_face"
+
+    def __init__(self, hf_config: Any, sample: tuple[Tensor, tuple, dict], family_level: bool) -> None:
+        self.hf_config, self.sample, self.family_level = hf_config, sample, family_level
+        self.original = getattr(hf_config, "_attn_implementation", None) or "eager"
+        if self.original.startswith(PREFIX):
+            self.original = self.original[len(PREFIX) :]
+
+    def __deepcopy__(self, memo: dict) -> HuggingFaceAnatomy:
+        return self
+
+    def heads(self, block: nn.Module) -> tuple[int, int]:
+        c = self.hf_config
+        heads = getattr(c, "num_attention_heads", None)
+        if heads is None:
+            raise Unsupported("its config names no num_attention_heads")
+        return heads, getattr(c, "num_key_value_heads", None) or heads
+
+    def sequence_dim(self, block: nn.Module) -> int:
+        return 1
+
+    def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
+        local = dict(kwargs)
+        if isinstance(local.get("position_embeddings"), (tuple, list)):
+            local["position_embeddings"] = tuple(t.index_select(-2, index) for t in local["position_embeddings"])
+        for name, dim in SEQUENCE_KWARGS.items():
+            if isinstance(local.get(name), Tensor):
+                local[name] = local[name].index_select(dim, index)
+        return args, local
+
+    def tp_plan(self, block: nn.Module) -> dict[str, str]:
+        plan = getattr(self.hf_config, "base_model_tp_plan", None)
+        if not plan:
+            raise Unsupported(f"its config ({type(self.hf_config).__name__}) has no base_model_tp_plan")
+        names = {n for n, _ in block.named_modules()} | {n for n, _ in block.named_parameters()}
+        out = {}
+        for key, style in plan.items():
+            if ".*." not in key:
+                continue  # the embedding or head, not a block entry
+            name = key.split(".*.", 1)[1]
+            if name not in names:
+                continue
+            if style not in STYLES:
+                raise Unsupported(f"base_model_tp_plan[{key!r}] = {style!r} is not one of {sorted(STYLES)}")
+            out[name] = STYLES[style]
+        if not out:
+            raise Unsupported("no entry of its base_model_tp_plan names a module of the block")
+        return out
+
+    def _route(self, block: nn.Module, config: Any) -> None:
+        """Point the block's configs at the registered attention function (the real model's config is the
+        model's: its mask creation then uses the registered mask function, the same as the original's)."""
+        name = register(self.original)
+        for c in _configs(block):
+            c._attn_implementation = name
+
+    def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> Any:
+        from lightning_parallel import tensor_parallel as tp
+        from lightning_parallel.recompute import chunk_mlp
+
+        if config.tp > 1:
+            plan = tp.expand_plan(block, dict(config.tp_plan)) if config.tp_plan else self.tp_plan(block)
+            tp.check_heads(block, self.heads(block), config.tp)
+            tp.check_divisible(block, plan, config.tp)
+            tp.shard_modules(block, prefix, plan, config.tp_mesh, tp_layout)
+        if config.mlp_chunks > 1:
+            mlp = getattr(block, "mlp", None)
+            if not isinstance(mlp, nn.Module):
+                raise Unsupported("the block has no `mlp` submodule to chunk")
+            chunk_mlp(mlp, "forward", config.mlp_chunks, -2, type(block).__name__)
+        if config.sp > 1:
+            self._route(block, config)
+        return _HFForward()
+
+    def helix_split(self, block: nn.Module, config: Any) -> Split:
+        """The block traced with its attention call as one op (the cut), split there (HelixPipe)."""
+        from lightning_parallel.anatomy.traced import TracedAnatomy
+        from lightning_parallel.anatomy.traced.program import trace
+
+        name = register(self.original)
+        x, args, kwargs = self.sample
+        calls: dict[str, tuple[str, dict]] = {}
+        saved = [(c, c._attn_implementation) for c in _configs(block)]
+        try:
+            for c, _ in saved:
+                c._attn_implementation = name
+            program = trace(
+                block, x, args, kwargs, attention_route=lambda copy: routed(_Route(trace=calls, block=copy))
+            )
+        finally:
+            for c, value in saved:
+                c._attn_implementation = value
+        if not calls:
+            raise Unsupported("the block does not call transformers' attention registry")
+        resolve_calls(program.gm, calls)
+        split = TracedAnatomy(program, type(block).__name__).helix_split(block, config)
+        return replace(split, name="hugging_face")
+
+
+class _HFForward:
+    """The model's own forward; with a sequence shard, its registered attention function distributes."""
+
+    def __deepcopy__(self, memo: dict) -> _HFForward:
+        return self
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
+        if shard is None:
+            return type(block).forward(block, x, *args, **kwargs)
+        with routed(_Route(shard=shard)) as route:
+            out = type(block).forward(block, x, *args, **kwargs)
+        if route.calls == 0:
+            raise Unsupported("the block does not call transformers' attention registry")
+        return out
