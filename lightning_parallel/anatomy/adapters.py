@@ -93,7 +93,7 @@ def pre_parameters(adapter: BlockAdapter, block: nn.Module) -> frozenset[str]:
 def adapter_split(adapter: BlockAdapter, block: nn.Module) -> Split:
     """The adapter's three parts as a :class:`Split` (HelixPipe's partition, sequence parallelism)."""
     return Split(
-        name=adapter.name,
+        name=f"adapter {adapter.name!r}",
         pre=lambda b, x, a, kw: adapter.pre(b, x, a, kw),
         attention=lambda b, q, k, v, a, kw: attention_of(adapter, b, q, k, v, a, kw),
         post=lambda b, out, state, a, kw: adapter.post(b, out, state, a, kw),

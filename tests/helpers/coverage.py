@@ -99,7 +99,9 @@ def markdown(results: dict[tuple[str, str], Cell]) -> str:
                 )
                 cells.append("parity" + (f" ({served})" if served else ""))
             else:
-                errors.append(f"{ROW_TITLES[row]}, {COLUMN_TITLES[column]}: {cell.message.splitlines()[0]}")
+                lines_ = cell.message.splitlines()
+                reason = lines_[-1].split(": ", 1)[-1] if len(lines_) > 1 else lines_[0]  # why the last source failed
+                errors.append(f"{ROW_TITLES[row]}, {COLUMN_TITLES[column]}: {lines_[0]} ... {reason}")
                 cells.append(f"clear error [{len(errors)}]")
         lines.append(f"| {ROW_TITLES[row]} | " + " | ".join(cells) + " |")
     passed = sum(c.status == "parity" for c in results.values())
@@ -108,4 +110,8 @@ def markdown(results: dict[tuple[str, str], Cell]) -> str:
         f"{passed} of {len(results)} cells reproduce single-process training ({100 * passed / len(results):.0f} %).",
     ]
     lines += [""] + [f"[{i}] {e}" for i, e in enumerate(errors, 1)]
+    lines += ["", "timm: PyPI's torchvision for torch 2.13 cannot load beside the CPU build of torch 2.13 (\"operator"
+              " torchvision::nms does not exist\"), and timm imports it at module level; the row imports timm's real"
+              " VisionTransformer with tests/helpers/torchvision_stub.py standing in for torchvision, which ViT never"
+              " calls."]  # fmt: skip
     return "\n".join(lines) + "\n"

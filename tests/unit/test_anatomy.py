@@ -55,7 +55,9 @@ class NonCausalBlock(Block):  # same anatomy, different attention: the nanogpt a
 def test_a_variant_the_adapter_does_not_know_is_refused():
     block = NonCausalBlock(32, 4, 0.0, True)
     (adapter,) = matching_adapters(block)
-    with pytest.raises(VerificationError, match=r"nanogpt does not reproduce NonCausalBlock: output, input gradient"):
+    with pytest.raises(
+        VerificationError, match=r"adapter 'nanogpt' does not reproduce NonCausalBlock: output, input gradient"
+    ):
         verify_split(adapter_split(adapter, block), block, torch.randn(2, 16, 32))
 
 
@@ -92,3 +94,26 @@ def test_a_block_no_source_serves_names_every_source():
         match=r"(?s)no anatomy of Opaque serves a chunked MLP \(mlp_chunks=2\); tried:.*\nname the MLP with mlp_module='path.in.block', or pass adapter=",
     ):
         holder.blocks[0](torch.randn(2, 4, 8))
+
+
+def test_the_core_imports_no_model_library():
+    """transformers, litgpt and timm are test dependencies only: importing the library and running a plain
+    model through its Hugging Face and traced sources imports none of them (Lightning itself may, through
+    torchmetrics, which is imported first here)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, lightning.pytorch, torchmetrics\n"
+        "before = set(sys.modules)\n"
+        "import lightning_parallel\n"
+        "from lightning_parallel.blocks import BlockConfig, parallelize\n"
+        "from examples.models.gpt import GPT\n"
+        "m = GPT(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)\n"
+        "layer = parallelize(m, BlockConfig(mlp_chunks=2, sources=('hugging_face', 'traced')))\n"
+        "m(torch.randint(0, 16, (2, 8)))\n"
+        "new = {n.split('.')[0] for n in set(sys.modules) - before}\n"
+        "print(layer.runners[0].anatomy_name, sorted(new & {'transformers', 'litgpt', 'timm'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "the traced graph []", out.stdout + out.stderr

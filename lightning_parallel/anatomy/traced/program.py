@@ -17,26 +17,44 @@ shape): the graph then carries ``torch.float64`` wherever the block's code deriv
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
+from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_parallel.anatomy.base import Unsupported
 
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {name: (owning module, attribute)}
+
+
+def _owner(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module that holds ``name`` and the attribute (module objects are stable; what they hold may change,
+    e.g. a parameter replaced by its shards, so the value is read at each call)."""
+    owners = _OWNERS.setdefault(block, {})
+    found = owners.get(name)
+    if found is None:
+        path, _, attr = name.rpartition(".")
+        found = owners[name] = (block.get_submodule(path) if path else block, attr)
+    return found
+
 
 def _param(block: nn.Module, name: str) -> Tensor:
-    p = block.get_parameter(name)
-    return p.to_local() if hasattr(p, "to_local") else p
+    owner, attr = _owner(block, name)
+    p = owner._parameters[attr]
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _buffer(block: nn.Module, name: str) -> Tensor:
-    return block.get_buffer(name)
+    owner, attr = _owner(block, name)
+    return owner._buffers[attr]
 
 
 class _Flat(nn.Module):
@@ -75,6 +93,17 @@ class Program:
         """The placeholders of the call's tensors, in flattened order (the hidden state first)."""
         return [n for n in self.graph.nodes if n.op == "placeholder"][1 : 1 + self.num_tensors]
 
+    @cached_property
+    def signature(self) -> list[tuple[tuple, tuple]]:
+        out = []
+        for node in self.tensor_inputs():
+            shape = tuple(node.meta["val"].shape)
+            dims = tuple(
+                s if isinstance(s, int) else (None if s.node.expr in self.loose else s.node.expr) for s in shape
+            )
+            out.append((shape, dims))
+        return out
+
     @property
     def num_tensors(self) -> int:
         return sum(isinstance(leaf, Tensor) for leaf in self.leaves)
@@ -90,7 +119,7 @@ class Program:
                 tensors.append(leaf)
             elif not (leaf is traced or _same_constant(leaf, traced)):
                 raise Unsupported(f"the block was traced with the argument {traced!r}, now called with {leaf!r}")
-        _check_shapes(tensors, self.tensor_inputs(), self.loose)
+        _check_shapes(tensors, self.signature)
         return tensors
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, *extra: Any) -> Any:
@@ -128,22 +157,19 @@ def _same_constant(a: Any, b: Any) -> bool:
         return False
 
 
-def _check_shapes(tensors: list[Tensor], placeholders: list[fx.Node], loose: frozenset = frozenset()) -> None:
+def _check_shapes(tensors: list[Tensor], signature: list[tuple[tuple, tuple]]) -> None:
     """The trace holds for these shapes: static dims equal, symbolic dims consistent and at least 2 (the
-    trace specialised sizes 0 and 1)."""
+    trace specialised sizes 0 and 1). ``signature``: per tensor, its traced shape and each dim's int or
+    symbol (``None`` for a symbol that may differ between tensors)."""
     bound: dict[Any, int] = {}
-    for t, node in zip(tensors, placeholders):
-        fake = node.meta["val"]
-        if t.dim() != fake.dim():
-            raise Unsupported(f"a {t.dim()}-d tensor where the trace had {fake.dim()} dims")
-        for size, traced in zip(t.shape, fake.shape):
-            if isinstance(traced, int):
-                if size != traced:
-                    raise Unsupported(f"shape {tuple(t.shape)} where the trace had {tuple(fake.shape)}")
+    for t, (traced, dims) in zip(tensors, signature):
+        if t.dim() != len(dims):
+            raise Unsupported(f"a {t.dim()}-d tensor where the trace had {len(dims)} dims")
+        for size, dim in zip(t.shape, dims):
+            if size == dim:
                 continue
-            expr = traced.node.expr
-            if (expr not in loose and bound.setdefault(expr, size) != size) or size < 2:
-                raise Unsupported(f"shape {tuple(t.shape)} where the trace had {tuple(fake.shape)}")
+            if isinstance(dim, int) or size < 2 or (dim is not None and bound.setdefault(dim, size) != size):
+                raise Unsupported(f"shape {tuple(t.shape)} where the trace had {traced}")
 
 
 @contextmanager
