@@ -31,11 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_parallel.anatomy import resolve
-from lightning_parallel.anatomy.base import AnatomyError, ConfigurationError
-from lightning_parallel.anatomy.verify import verify
+from lightning_parallel.anatomy.base import ConfigurationError
+from lightning_parallel.anatomy.verify import single_process_gradients
 from lightning_parallel.recompute import Recomputed, resolve_op, validate
 from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, has_dropout
 from lightning_parallel.tensor_parallel import TensorParallelLayout
@@ -301,7 +300,7 @@ class BlockLayer:
         with torch.inference_mode(False), torch.enable_grad():
             sample = _normal((x, args, kwargs))
             build = lambda anatomy: self._candidate(runner.index, anatomy)  # noqa: E731
-            self.winner, anatomy = first_verified(block, sample, config, self.winner, build, self.groups())
+            self.winner, anatomy = resolve.first_verified(block, sample, config, self.winner, build, self.groups())
             self._commit(runner, anatomy)
 
     def _candidate(self, index: int, anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
@@ -310,7 +309,8 @@ class BlockLayer:
         def build(copy_: nn.Module) -> tuple[Any, Any]:
             layouts = Layouts.for_config(config)
             stack = compose(copy_, index, anatomy, config, layouts)
-            return (lambda m, x, a, kw: stack(m, x, a, kw)), (lambda m: _single_process_gradients(m, layouts))
+            gradients = lambda m: single_process_gradients(m, layouts.tp, layouts.sp)  # noqa: E731
+            return (lambda m, x, a, kw: stack(m, x, a, kw)), gradients
 
         return build
 
@@ -326,69 +326,11 @@ class BlockLayer:
             self.on_replace(replaced)
 
 
-def first_verified(
-    block: nn.Module,
-    sample: tuple[Tensor, tuple, dict],
-    config: BlockConfig,
-    winner: str | None,
-    build: Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]],
-    groups: list[Any],
-) -> tuple[str, Any]:
-    """``(source, anatomy)`` of the first source (:mod:`lightning_parallel.anatomy.resolve`) whose candidate
-    ``build(anatomy)`` verifies against ``block`` on ``sample``; an explicit ``adapter=`` that fails is the
-    error; when none verifies, an :class:`AnatomyError` names every source tried and why. A source whose
-    code serves the whole family (``family_level``: an adapter, the model's own forward) is verified on the
-    trunk's first block; a traced graph on every block it serves."""
-    x, args, kwargs = sample
-    reasons: list[str] = []
-    for source, anatomy in resolve.candidates(block, sample, config, winner):
-        if isinstance(anatomy, Exception):
-            reasons.append(f"{source}: {anatomy}")
-            continue
-        if winner is not None and getattr(anatomy, "family_level", False):
-            return source, anatomy  # the family's code verified on the trunk's first block
-        try:
-            verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups)
-        except ConfigurationError:
-            raise
-        except Exception as err:  # noqa: BLE001  (the next source may serve this block)
-            if source == "adapter=":
-                raise type(err)(f"{err}; pass adapter= with one that matches this block family") from err
-            reasons.append(f"{source}: {err}")
-            continue
-        return source, anatomy
-    raise AnatomyError(resolve.explain(block, config, reasons))
-
-
 def _normal(value: Any) -> Any:
     """Inference-mode tensors (a first call under ``trainer.validate``) as normal tensors for autograd."""
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda t: t.clone() if isinstance(t, Tensor) and t.is_inference() else t, value)
-
-
-def _single_process_gradients(module: nn.Module, layouts: Layouts) -> dict[str, Tensor]:
-    """The gradients of a composed copy as one process would hold them: DTensor partial sums reduced,
-    replicated parameters that saw a token shard summed over their group, shards gathered whole."""
-    from lightning_parallel import _collectives
-
-    grads: dict[str, Tensor] = {}
-    partial_tp = {id(p) for p in (layouts.tp.partial if layouts.tp else [])}
-    partial_sp = {id(p) for p in (layouts.sp.partial if layouts.sp else [])}
-    for name, p in module.named_parameters():
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
-            g = g.redistribute(placements=p.placements)
-        if id(p) in partial_tp:
-            g = g.clone()
-            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], layouts.tp.mesh.get_group())
-        if id(p) in partial_sp:
-            g = g.clone()
-            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], layouts.sp.mesh.get_group())
-        grads[name] = layouts.tp.to_full(name, g) if layouts.tp is not None else g
-    return grads
 
 
 def uninstall_runners(blocks: Iterable[nn.Module]) -> None:
@@ -421,7 +363,6 @@ __all__ = [
     "Layouts",
     "OwnForward",
     "compose",
-    "first_verified",
     "parallelize",
     "uninstall_runners",
 ]

@@ -16,13 +16,14 @@ verified).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import Tensor, nn
 
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
-from lightning_parallel.anatomy.base import Unsupported
+from lightning_parallel.anatomy.base import AnatomyError, ConfigurationError, Unsupported
+from lightning_parallel.anatomy.verify import verify
 
 SOURCES = ("adapters", "hugging_face", "own_forward", "traced")
 
@@ -89,3 +90,37 @@ def explain(block: nn.Module, config: Any, reasons: list[str]) -> str:
         f"{''.join(h + ', or ' for h in hints)}pass adapter= (one of {sorted(ADAPTERS)}, or an object with"
         " pre/attention_call/post, see lightning_parallel.anatomy.adapters.BlockAdapter)"
     )
+
+
+def first_verified(
+    block: nn.Module,
+    sample: tuple[Tensor, tuple, dict],
+    config: Any,
+    winner: str | None,
+    build: Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]],
+    groups: list[Any],
+) -> tuple[str, Any]:
+    """``(source, anatomy)`` of the first source (:mod:`lightning_parallel.anatomy.resolve`) whose candidate
+    ``build(anatomy)`` verifies against ``block`` on ``sample``; an explicit ``adapter=`` that fails is the
+    error; when none verifies, an :class:`AnatomyError` names every source tried and why. A source whose
+    code serves the whole family (``family_level``: an adapter, the model's own forward) is verified on the
+    trunk's first block; a traced graph on every block it serves."""
+    x, args, kwargs = sample
+    reasons: list[str] = []
+    for source, anatomy in candidates(block, sample, config, winner):
+        if isinstance(anatomy, Exception):
+            reasons.append(f"{source}: {anatomy}")
+            continue
+        if winner is not None and getattr(anatomy, "family_level", False):
+            return source, anatomy  # the family's code verified on the trunk's first block
+        try:
+            verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups)
+        except ConfigurationError:
+            raise
+        except Exception as err:  # noqa: BLE001  (the next source may serve this block)
+            if source == "adapter=":
+                raise type(err)(f"{err}; pass adapter= with one that matches this block family") from err
+            reasons.append(f"{source}: {err}")
+            continue
+        return source, anatomy
+    raise AnatomyError(explain(block, config, reasons))

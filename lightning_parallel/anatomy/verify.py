@@ -206,3 +206,28 @@ def _active_dropout(block: nn.Module) -> bool:
 def verify_split(split: Any, block: nn.Module, x: Tensor, args: tuple = (), kwargs: dict | None = None) -> None:
     """Check a :class:`~lightning_parallel.anatomy.Split` against ``block``'s own forward (see :func:`verify`)."""
     verify(block, x, args, kwargs or {}, lambda copy_: (split, plain_gradients), name=split.name)
+
+
+def single_process_gradients(module: nn.Module, tp: Any = None, sp: Any = None) -> dict[str, Tensor]:
+    """The gradients of a composed copy as one process would hold them, given its tensor- and sequence-parallel
+    layouts: DTensor partial sums reduced, replicated parameters that saw a shard summed over their group,
+    shards gathered whole (and un-permuted)."""
+    from torch.distributed.tensor import DTensor
+
+    grads: dict[str, Tensor] = {}
+    partial_tp = {id(p) for p in (tp.partial if tp else [])}
+    partial_sp = {id(p) for p in (sp.partial if sp else [])}
+    for name, p in module.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            g = g.redistribute(placements=p.placements)
+        if id(p) in partial_tp:
+            g = g.clone()
+            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], tp.mesh.get_group())
+        if id(p) in partial_sp:
+            g = g.clone()
+            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], sp.mesh.get_group())
+        grads[name] = tp.to_full(name, g) if tp is not None else g
+    return grads

@@ -24,8 +24,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_parallel import _collectives
+from lightning_parallel.anatomy.resolve import first_verified
 from lightning_parallel.anatomy.verify import plain_gradients
-from lightning_parallel.blocks import BlockConfig, first_verified
+from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import PP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
@@ -38,6 +39,7 @@ from lightning_parallel.strategies._logging import (
     restore_metrics,
     snapshot_metrics,
 )
+from lightning_parallel.strategies._optimizers import drop_parameters
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.trunk import Trunk, parameter_bytes
 
@@ -182,7 +184,9 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             sample = (cap.trunk_input.detach(), *cap.block_args[j])
             winner, anatomy = first_verified(block, sample, config, winner, _split_candidate(config), [])
             self._splits.append(anatomy.helix_split(block, config))
-        self._drop_from_optimizers(place_parameters(runtime.trunk, self._splits, self.stage, self.parallel_dims.pp))
+        drop_parameters(
+            self.optimizers, place_parameters(runtime.trunk, self._splits, self.stage, self.parallel_dims.pp)
+        )
         layers = len(runtime.trunk)
         self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], parameter_bytes(lm))
 

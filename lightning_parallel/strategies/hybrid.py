@@ -48,6 +48,7 @@ from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_si
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
 from lightning_parallel.strategies._logging import MetricStepper
+from lightning_parallel.strategies._optimizers import Replaced, drop_parameters, replace_parameters
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.strategies._tensor import TensorParallelMixin
@@ -263,7 +264,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
-            self._drop_from_optimizers({id(p) for p in lm.parameters() if p.device.type == "meta"})
+            drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.device.type == "meta"})
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -315,27 +316,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
     def _sp_layout(self) -> Optional[SequenceParallelLayout]:
         return self._blocks.layouts.sp if self._blocks is not None else None
 
-    def _drop_from_optimizers(self, freed: set[int]) -> None:
-        """Take parameters this rank does not hold out of the optimizers (and their restored state)."""
-        if not freed:
-            return
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for q in group["params"]:
-                    if id(q) in freed:
-                        opt.state.pop(q, None)
-                group["params"] = [q for q in group["params"] if id(q) not in freed]
-
-    def _replace_parameters(self, replaced: list[tuple[torch.nn.Parameter, torch.nn.Parameter, str]]) -> None:
-        """A block's stack was committed and sharded some parameters: the optimizers hold the new ones, and
-        state restored for a whole parameter (from a checkpoint) is sharded like it."""
-        new_of = {id(old): new for old, new, _ in replaced}
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["params"] = [new_of.get(id(q), q) for q in group["params"]]
-            for old, new, name in replaced:
-                if old in opt.state:
-                    opt.state[new] = {k: self._in_memory(name, v, new) for k, v in opt.state.pop(old).items()}
+    def _replace_parameters(self, replaced: Replaced) -> None:
+        replace_parameters(self.optimizers, replaced, self._in_memory)
 
     def _sync_module_states(self, module: torch.nn.Module) -> None:
         """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""
@@ -417,20 +399,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         from lightning.pytorch.strategies import StrategyRegistry
 
         StrategyRegistry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
-        if cls is HybridParallelStrategy:
-            StrategyRegistry.register(
-                "tensor_parallel",
-                cls,
-                description="lightning-parallel: tensor parallelism over all devices (Megatron-style, on DTensor)",
-                override=True,
-                data_parallel_size=1,
-                tensor_parallel_size="auto",
-            )
-            StrategyRegistry.register(
-                "sequence_parallel",
-                cls,
-                description="lightning-parallel: sequence (context) parallelism over all devices (Ulysses; or ring)",
-                override=True,
-                data_parallel_size=1,
-                sequence_parallel_size="auto",
-            )
+
+    @classmethod
+    def register_alias(cls, name: str, description: str, **defaults: Any) -> None:
+        """Register ``name`` as this strategy with ``defaults`` for its arguments."""
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        StrategyRegistry.register(name, cls, description=description, override=True, **defaults)
