@@ -66,7 +66,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         tensor_parallel_size: shard every block's projections over this many ranks (Megatron-style, on
             DTensor; see :mod:`lightning_parallel.tensor_parallel`); ``"auto"`` uses the remaining devices.
         tp_plan: ``{"name pattern inside a block": "colwise" | "rowwise" | "colwise_qkv"}``; replaces the
-            plan of the block family's adapter (and is required for a family without one).
+            plan of a hand-written adapter or of the Hugging Face metadata, or shards the block for its own
+            forward (which must then be shape-agnostic; verification checks it). Default: the anatomy's plan
+            (derived from the traced graph where no adapter or metadata has one).
         tp_sequence_parallel: Megatron-style sequence parallelism between the tensor-parallel regions: norms,
             residuals and dropout on 1/tp of the sequence per rank (the sequence length must divide by tp).
         sequence_parallel_size: split every block's sequence over this many ranks (context parallelism;
