@@ -98,3 +98,11 @@ def parameter_bytes(module: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
+
+
+def materialised_to(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move the materialised parameters and buffers of ``module`` to ``device`` (meta ones stay)."""
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta":
+            t.data = t.data.to(device)
+    return module

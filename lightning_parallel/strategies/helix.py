@@ -127,13 +127,11 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             )
 
     @override
-    def _place_stages(self, lm: Any, trunk: Trunk) -> list[tuple[int, nn.Module]]:
+    def _place_stages(self, lm: Any, trunk: Trunk) -> tuple[list[tuple[int, nn.Module]], list[nn.Module]]:
         """Build the runtime; every rank keeps the whole model until the first step verifies the splits
         (so no block runs through the block layer: the runtime drives each block's split itself)."""
         dims = self.parallel_dims
         check_sizes(dims.pp, len(trunk), self.num_microbatches, self._folds)
-        in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
-        self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
         self.runtime = HelixRuntime(
             trunk, [range(len(trunk))], self.stage, ranks, self.pp_group, self.root_device,
@@ -143,7 +141,11 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         self.runtime.splits = self._splits  # placed by an earlier fit with this strategy, or filled at the first step
         self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
-        return []
+        return [], []
+
+    @override
+    def _placed(self, lm: Any, trunk: Trunk) -> None:
+        self._find_replicated(lm, trunk)  # the placement is reported once the first step has split the blocks
 
     @override
     def _block_config(self) -> BlockConfig:

@@ -42,18 +42,22 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel import recompute as recompute_lib
+from lightning_parallel.anatomy.base import ConfigurationError
 from lightning_parallel.anatomy.families import prepare_model
 from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
+from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
+from lightning_parallel.strategies import _sharding
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, drop_parameters, replace_parameters
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
+from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.strategies._tensor import TensorParallelMixin
 from lightning_parallel.tensor_parallel import TensorParallelLayout, local
-from lightning_parallel.trunk import Trunk, discover_trunk
+from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             for blocks whose attention runs a custom kernel.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"fork"``/``"spawn"``
             start ranks with multiprocessing.
+        data_parallel_sharding: ``"none"`` (every replica holds the optimizer state) or ``"optimizer"``
+            (ZeRO-1/2: optimizer state and reduced gradients split over the dp ranks, parameters whole; see
+            :mod:`lightning_parallel.strategies._sharding`).
     """
 
     strategy_name = "hybrid"
@@ -119,6 +126,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         mlp_module: Optional[str] = None,
         attention_kernels: tuple[str, ...] = (),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        data_parallel_sharding: Sharding = "none",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -138,6 +146,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
                 " combined with tp_sequence_parallel=True (which splits it between the tensor-parallel regions)"
             )
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
+        check_sharding(data_parallel_sharding)
+        self._dp_sharding = data_parallel_sharding
+        self._owners: dict[int, dict[int, int]] = {}  # id(optimizer) -> id(parameter) -> owning dp rank
         self._recompute = dict(
             recompute=recompute,
             every_n=recompute_every_n,
@@ -259,7 +270,6 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self._check_module(lm)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
         self._parallelize(lm)
         self._sync_module_states(self.model)
         for metric in MetricStepper(lm, False).metrics.values():
@@ -282,21 +292,48 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         (:mod:`lightning_parallel.blocks`: tensor, sequence parallelism, chunked MLP, recomputation)."""
         config = self._block_config()
         if not (config.needs_anatomy or config.recompute != "none" or self._needs_trunk()):
+            self.model_to_device()
+            self._materialize(lm, [])
             return  # data parallelism alone: the model needs no trunk
         # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
+        first = self._blocks is None
         trunk = self._blocks.trunk if self._blocks is not None else discover_trunk(lm, self._trunk_path)
         prepare_model(lm)
-        local = self._place_stages(lm, trunk)
-        if self._blocks is None:
+        local, freed = self._place_stages(lm, trunk)
+        self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
+        if first:
+            self._materialize(lm, freed)
+            self._placed(lm, trunk)
             layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
             self._blocks = layer.install(local)
+
+    def _materialize(self, lm: LightningModule, freed: list[torch.nn.Module]) -> None:
+        """Deferred initialisation (:mod:`lightning_parallel.materialize`) of what this rank holds, seeded by
+        the run's seed; a refusal on any rank is raised with the same message on every rank."""
+        message = None
+        try:
+            restoring = lm._trainer is not None and lm.trainer.ckpt_path is not None
+            materialize_(lm, self.root_device, torch.initial_seed(), skip=freed, restoring=restoring)
+        except ConfigurationError as err:
+            message = str(err)
+        messages = _collectives.all_gather_object(message)
+        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+        if failed:
+            rank, text = failed[0]
+            raise ConfigurationError(f"{text} (rank {rank})" if len(set(m for _, m in failed)) > 1 else text)
+
+    def _placed(self, lm: LightningModule, trunk: Trunk) -> None:
+        """After placement and materialisation, before the block layer (the pipeline reports its layout)."""
 
     def _needs_trunk(self) -> bool:
         return False
 
-    def _place_stages(self, lm: LightningModule, trunk: Trunk) -> list[tuple[int, torch.nn.Module]]:
-        """The ``(index, block)`` pairs this rank runs (every block here; the pipeline places stages)."""
-        return list(enumerate(trunk.blocks))
+    def _place_stages(
+        self, lm: LightningModule, trunk: Trunk
+    ) -> tuple[list[tuple[int, torch.nn.Module]], list[torch.nn.Module]]:
+        """The ``(index, block)`` pairs this rank runs through the block layer, and the blocks it freed
+        (every block runs here, none is freed; the pipeline places stages)."""
+        return list(enumerate(trunk.blocks)), []
 
     def _block_config(self) -> BlockConfig:
         dims, mesh = self.parallel_dims, self._mesh
@@ -330,8 +367,26 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
 
     @override
     def model_to_device(self) -> None:
+        """Move what is materialised: freed blocks and deferred (meta) tensors stay where they are."""
         assert self.model is not None
-        self.model.to(self.root_device)
+        materialised_to(self.model, self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        """``Trainer.init_module(empty_init=True)`` builds on the meta device; set-up materialises and
+        initialises only what each rank holds (:mod:`lightning_parallel.materialize`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Any:
+        """``configure_model()`` builds on the meta device (Lightning's large-model path), like ``empty_init``."""
+        with torch.device("meta"):
+            yield
 
     # ---------------------------------------------------------------- training
     @override
@@ -347,16 +402,45 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             self.sync_gradients(optimizer)  # before the precision plugin clips and steps
             return out
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self._sharded:  # each owner updated its parameters: the other replicas receive them
+            _sharding.broadcast_from_owners_(
+                optimizer, self._owners_of(optimizer), self.dp_group, self.parallel_dims.dp
+            )
+        return out
 
     def sync_gradients(self, optimizer: Optimizer) -> None:
         """Average this optimizer's gradients over the dp group (tensor-parallel shards: their local parts)."""
         self._materialize_gradients(optimizer)
         self._sum_sequence_gradients(optimizer)
-        group = self.dp_group
-        if group is None or self.parallel_dims.dp == 1:
+        group, dp = self.dp_group, self.parallel_dims.dp
+        if group is None or dp == 1:
             return
-        _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
+        if self._sharded:
+            _sharding.reduce_to_owners_(optimizer, self._owners_of(optimizer), group, self.coordinate[DP], dp)
+        else:
+            _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
+
+    @property
+    def _sharded(self) -> bool:
+        return self._dp_sharding == "optimizer" and self.parallel_dims.dp > 1
+
+    def _owners_of(self, optimizer: Optimizer) -> dict[int, int]:
+        if id(optimizer) not in self._owners:
+            self._owners[id(optimizer)] = _sharding.owners(optimizer, self.parallel_dims.dp)
+        return self._owners[id(optimizer)]
+
+    @override
+    def _norm_groups(self) -> list[Any]:
+        # sharded: each gradient lives on its owner only, so the norm sums over the dp group as well
+        return [*super()._norm_groups(), *([self.dp_group] if self._sharded else [])]
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._sharded:
+            for opt in self.optimizers:
+                _sharding.drop_unowned_state(opt, self._owners_of(opt), self.coordinate[DP])
 
     # -------------------------------------------------------------- collectives
     @override

@@ -40,7 +40,7 @@ from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
 from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records, replay_logs
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
-from lightning_parallel.trunk import Trunk, free_blocks, parameter_bytes
+from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
@@ -150,7 +150,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         return True
 
     @override
-    def _place_stages(self, lm: Any, trunk: Trunk) -> list[tuple[int, nn.Module]]:
+    def _place_stages(self, lm: Any, trunk: Trunk) -> tuple[list[tuple[int, nn.Module]], list[nn.Module]]:
         """Place the trunk's blocks on model chunks, free the other stages' blocks, build the runtime."""
         dims, stage = self.parallel_dims, self.stage
         chunks = dims.pp * self._virtual
@@ -168,13 +168,22 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         placement = place_blocks(len(trunk), chunks, self._layers_per_stage)
         local = {j for c in range(chunks) if c % dims.pp == stage for j in placement[c]}
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
-        in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
-        self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
         self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
-        self._report_placement(trunk.path, placement, parameter_bytes(lm))
-        return [(j, b) for j, b in enumerate(trunk.blocks) if j in local]
+        self._placement = placement
+        freed = [b for j, b in enumerate(trunk.blocks) if j not in local]
+        return [(j, b) for j, b in enumerate(trunk.blocks) if j in local], freed
+
+    @override
+    def _placed(self, lm: Any, trunk: Trunk) -> None:
+        self._find_replicated(lm, trunk)
+        self._report_placement(trunk.path, self._placement, parameter_bytes(lm))
+
+    def _find_replicated(self, lm: Any, trunk: Trunk) -> None:
+        """The pre/post-trunk parameters (every stage holds them), once they are materialised."""
+        in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
+        self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
 
     def _report_placement(self, path: str, placement: list[range], nbytes: int) -> None:
         table = _collectives.all_gather_object((self.global_rank, self.stage, nbytes))
@@ -292,16 +301,11 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters()}
 
     @override
-    def model_to_device(self) -> None:
-        # a module already placed (fit, then validate) holds freed blocks: move what is materialised
-        _materialised_to(self.model, self.root_device)
-
-    @override
     def teardown(self) -> None:
         # Strategy.teardown calls lightning_module.cpu(), which cannot copy the freed (meta) blocks
         lm = self.lightning_module
         if lm is not None:
-            lm.cpu = lambda: _materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
+            lm.cpu = lambda: materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
         try:
             super().teardown()
         finally:
@@ -329,10 +333,3 @@ def _loss_of(output: Any) -> Tensor:
     raise ValueError(
         f"training_step must return the loss (a tensor or a dict with 'loss'); got {type(output).__name__}"
     )
-
-
-def _materialised_to(module: nn.Module, device: torch.device) -> nn.Module:
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.device.type != "meta":
-            t.data = t.data.to(device)
-    return module

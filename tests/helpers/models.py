@@ -107,7 +107,7 @@ class VarLenCharData(CharDataModule):
 
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from examples.models.gpt import GPT  # noqa: E402
+from examples.models.gpt import GPT, Block  # noqa: E402
 from examples.models.llama import DecoderLayer, Llama  # noqa: E402
 
 
@@ -217,3 +217,39 @@ class NoAttentionLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class DeferredGPT(GPT):
+    """The example GPT built in ``configure_model`` (Lightning's large-model path): on the meta device under
+    the lightning-parallel strategies, eagerly on one device. ``init_module``: build in ``__init__`` instead
+    (for ``Trainer.init_module(empty_init=True)``)."""
+
+    def __init__(
+        self, vocab_size: int = 65, block_size: int = 64, n_layer: int = 4, n_head: int = 4, n_embd: int = 64,
+        lr: float = 3e-3, optimizer: str = "adamw", weight_decay: float = 0.0, init_module: bool = False,
+    ) -> None:  # fmt: skip
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters(
+            dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                 lr=lr, optimizer=optimizer, weight_decay=weight_decay)
+        )  # fmt: skip
+        if init_module:
+            self._build()
+
+    def _build(self) -> None:
+        h = self.hparams
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(h.vocab_size, h.n_embd),
+                wpe=nn.Embedding(h.block_size, h.n_embd),
+                drop=nn.Dropout(0.0),
+                h=nn.ModuleList([Block(h.n_embd, h.n_head, 0.0, True) for _ in range(h.n_layer)]),
+                ln_f=nn.LayerNorm(h.n_embd),
+            )
+        )
+        self.lm_head = nn.Linear(h.n_embd, h.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "lm_head"):
+            self._build()

@@ -115,6 +115,12 @@ def build(
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         return TwoPassGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **MODEL_KWARGS["gpt"]), data
+    if model in ("gpt-deferred", "gpt-empty-init"):
+        from tests.helpers.models import DeferredGPT
+
+        data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        kw = dict(MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"])
+        return DeferredGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kw), data
     if model in ("llama-ckpt", "gpt-sum"):
         from tests.helpers.models import CheckpointedLlama, SumLossGPT
 
@@ -141,6 +147,8 @@ def _fit(
     model: str, dtype: str, optimizer: str, steps: int, batch_size: int, trainer_kwargs: dict, extra_callbacks=(), **kw
 ) -> Records:
     module, data = build(model, batch_size, optimizer)
+    if model == "gpt-empty-init":  # built in __init__ under Trainer.init_module(empty_init=True), below
+        module = None
     if "train_samples" in trainer_kwargs:  # uneven last batches: an epoch of few samples
         trainer_kwargs = dict(trainer_kwargs)
         data.train_dataloader = _limit_samples(data.train_dataloader, trainer_kwargs.pop("train_samples"))
@@ -161,6 +169,12 @@ def _fit(
             **trainer_kwargs,
             **kw,
         )
+        if module is None:
+            from tests.helpers.models import DeferredGPT
+
+            gpt = dict(MODEL_KWARGS["gpt"], optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3)
+            with trainer.init_module(empty_init=True):
+                module = DeferredGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, init_module=True, **gpt)
         trainer.fit(module, datamodule=data)
     return recorder.records
 
@@ -212,8 +226,21 @@ def reference(model: str, dtype: str, optimizer: str, steps: int, global_batch: 
         kwargs,
         devices=1,
         strategy="auto",
-        extra_callbacks=[_OneReplicaSampler()],
+        extra_callbacks=[_OneReplicaSampler(), *([_DeferredReference()] if model in DEFERRED else [])],
     )
+
+
+DEFERRED = ("gpt-deferred", "gpt-empty-init")
+
+
+class _DeferredReference(L.Callback):
+    """The single-process run of a deferred model: built eagerly (or, under ``empty_init``, uninitialised),
+    then initialised by the rule every deferred layout follows (``lightning_parallel.materialize``)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_parallel.materialize import initialize_
+
+        initialize_(pl_module, torch.initial_seed())
 
 
 def _parallel_rank(

@@ -25,6 +25,7 @@ TOL = TOLERANCES["float64"]
 LAYOUTS = {
     "one": (lambda: HybridParallelStrategy(data_parallel_size=1), 1, 1),
     "dp2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
+    "dp2zero": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"), 2, 2),
     "pp2": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
     "pp4": (lambda: PipelineParallelStrategy(pipeline_parallel_size=4, num_microbatches=4), 4, 1),
     "helix2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, 1),
@@ -120,7 +121,9 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
 # -------------------------------------------------------------------------------- exact resume
 
 
-@pytest.mark.parametrize("layout,model", [("pp2", "gpt"), ("helix2", "gpt"), ("dp2", "gpt"), ("pp2", "gpt+sched")])
+@pytest.mark.parametrize(
+    "layout,model", [("pp2", "gpt"), ("helix2", "gpt"), ("dp2", "gpt"), ("dp2zero", "gpt"), ("pp2", "gpt+sched")]
+)
 def test_resume_at_epoch_boundary_continues_the_straight_run_exactly(layout, model, tmp_path):
     kw = dict(model=model, epoch_end=True)
     straight, final, _, _ = _run(layout, 8, ckpt_out=str(tmp_path / "straight.ckpt"), **kw)
@@ -152,7 +155,15 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
 
 @pytest.mark.parametrize(
     "source,target",
-    [("pp2", "one"), ("pp2", "helix2"), ("dp2", "pp2"), ("helix2", "pp2"), ("pp2", "dp2")],
+    [
+        ("pp2", "one"),
+        ("pp2", "helix2"),
+        ("dp2", "pp2"),
+        ("helix2", "pp2"),
+        ("pp2", "dp2"),
+        ("dp2zero", "tp2"),
+        ("pp2", "dp2zero"),
+    ],  # fmt: skip
 )
 def test_resume_under_another_layout_restores_model_and_optimizer_state(source, target, tmp_path):
     ckpt = str(tmp_path / f"{source}.ckpt")

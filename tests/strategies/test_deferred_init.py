@@ -1,0 +1,137 @@
+"""Deferred initialisation (issue 14): a model built on the meta device (``configure_model()`` or
+``Trainer.init_module(empty_init=True)``) is materialised at set-up, each rank only what it holds,
+initialised module by module from the run's seed (``lightning_parallel.materialize``), so that every
+layout reproduces one process that initialises the whole model by the same rule (DESIGN §6 parity).
+A model that cannot be initialised that way is refused with the tensors it lacks, on every rank."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
+from lightning_parallel.anatomy.base import ConfigurationError
+from lightning_parallel.materialize import initialize_, materialize_
+from tests.helpers.distributed import RankFailed, run_distributed
+from tests.helpers.parity import assert_parity
+
+LAYOUTS = {
+    "pipeline pp=2": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
+    "helix p=2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
+    "tensor_parallel tp=2": (lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=1), 2, 1),
+    "hybrid dp=2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_configure_model_on_meta_trains_with_parity(layout):
+    strategy, world, dp = LAYOUTS[layout]
+    assert_parity("gpt-deferred", strategy, world, data_parallel_size=dp)
+
+
+@pytest.mark.parametrize("layout", ["pipeline pp=2", "tensor_parallel tp=2"])
+def test_init_module_empty_init_is_materialised_with_parity(layout):
+    strategy, world, dp = LAYOUTS[layout]
+    assert_parity("gpt-empty-init", strategy, world, data_parallel_size=dp)
+
+
+def test_pipeline_materialises_only_its_stage():
+    """Each pipeline rank materialises its own blocks: the other stage's stay on meta from the start."""
+
+    def rank(r: int, world: int) -> tuple[list[int], float]:
+        from tests.helpers.parity import build
+
+        module, data = build("gpt-deferred", 4, "sgd")
+        seen: dict = {}
+
+        class Probe(L.Callback):
+            def on_fit_start(self, trainer, pl_module):
+                blocks = pl_module.transformer.h
+                seen["held"] = [j for j, b in enumerate(blocks) if not b.attn.c_attn.weight.is_meta]
+
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(pipeline_parallel_size=2),
+            max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[Probe()],
+        )  # fmt: skip
+        trainer.fit(module, datamodule=data)
+        return seen["held"], trainer.strategy.stage
+
+    results = run_distributed(rank, 2, init_process_group=False)
+    by_stage = {stage: held for held, stage in results}
+    assert by_stage == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+class _RawParameter(nn.Module):
+    """Owns a parameter and a non-persistent buffer but has no ``reset_parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def test_materialize_refuses_tensors_nothing_initialises():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _RawParameter())
+    with pytest.raises(ConfigurationError, match=r"1 \(_RawParameter\): scale, table.*reset_parameters"):
+        materialize_(model, torch.device("cpu"), seed=0)
+
+
+def test_materialize_with_checkpoint_leaves_persistent_tensors_to_it():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _RawParameter())
+    # restoring: the parameter comes from the checkpoint, but the non-persistent buffer never does
+    with pytest.raises(ConfigurationError, match=r"_RawParameter\): table\."):
+        materialize_(model, torch.device("cpu"), seed=0, restoring=True)
+
+
+def test_materialize_equals_initialize_and_keeps_ties():
+    with torch.device("meta"):
+        meta = nn.ModuleDict(dict(emb=nn.Embedding(10, 4), head=nn.Linear(4, 10, bias=False)))
+    meta.emb.weight = meta.head.weight
+    eager = nn.ModuleDict(dict(emb=nn.Embedding(10, 4), head=nn.Linear(4, 10, bias=False)))
+    eager.emb.weight = eager.head.weight
+    materialize_(meta, torch.device("cpu"), seed=7)
+    initialize_(eager, seed=7)
+    assert meta.emb.weight is meta.head.weight
+    for (n, a), (_, b) in zip(meta.state_dict().items(), eager.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    other = nn.Linear(4, 10, bias=False)
+    initialize_(other, seed=8)
+    assert not torch.equal(other.weight, eager.head.weight)
+
+
+def _deferred_llama(r: int, world: int, strategy: str) -> str:
+    from examples.data import CharDataModule
+    from examples.models.llama import Llama
+
+    data = CharDataModule(block_size=16, batch_size=4, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=LAYOUTS[strategy][0](), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        module = Llama(vocab_size=data.vocab_size, block_size=16, n_layer=4, n_head=4, dim=32, mlp_hidden=64)
+    try:
+        trainer.fit(module, datamodule=data)
+    except ConfigurationError as err:
+        return str(err)
+    return "trained"
+
+
+def test_deferred_llama_refused_on_every_rank_naming_the_rope_tables():
+    """The example Llama keeps its RoPE tables as non-persistent buffers of the LightningModule, which
+    nothing recomputes: refused with the same error on both ranks, before the first step."""
+    messages = run_distributed(_deferred_llama, 2, "tensor_parallel tp=2", init_process_group=False)
+    assert messages[0] == messages[1]
+    assert "<root> (Llama): rope_cos, rope_sin" in messages[0] and "reset_parameters()" in messages[0]
+
+
+def test_deferred_llama_refused_under_pipeline_never_a_hang():
+    """Under pipeline (which exited a failing rank at once, and hung in the first step on a meta model
+    before deferred initialisation existed) the rank prints the refusal and the job ends."""
+    with pytest.raises(RankFailed, match=r"(?s)ConfigurationError: deferred initialisation.*rope_cos, rope_sin"):
+        run_distributed(_deferred_llama, 2, "pipeline pp=2", init_process_group=False, timeout=60)

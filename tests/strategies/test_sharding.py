@@ -1,0 +1,80 @@
+"""Sharded data parallelism (``data_parallel_sharding="optimizer"``, issue 14): the optimizer state and the
+reduced gradients split over the dp ranks, parity with one process (DESIGN §6) in every layout it composes
+with, and each rank holding about 1/dp of the optimizer state."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import assert_parity, build
+
+
+def _dp2() -> HybridParallelStrategy:
+    return HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer")
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+def test_dp2_sharded_parity_with_accumulation_and_clipping(model):
+    assert_parity(model, _dp2, 2, data_parallel_size=2, steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05)
+
+
+def test_dp2_sharded_float32_sgd_momentum_parity():
+    assert_parity("gpt", _dp2, 2, data_parallel_size=2, dtype="float32")
+
+
+def test_dp2_x_pp2_sharded_parity():
+    def strategy():
+        return PipelineParallelStrategy(
+            pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, data_parallel_sharding="optimizer"
+        )
+
+    assert_parity("gpt", strategy, 4, data_parallel_size=2, gradient_clip_val=0.05)
+
+
+def test_dp2_x_tp2_sharded_parity():
+    def strategy():
+        return HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="optimizer")
+
+    assert_parity("llama", strategy, 4, data_parallel_size=2, gradient_clip_val=0.05)
+
+
+@pytest.mark.slow
+def test_dp2_x_helix2_sharded_parity():
+    def strategy():
+        return HelixParallelStrategy(
+            pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=4, data_parallel_sharding="optimizer"
+        )
+
+    assert_parity("gpt", strategy, 4, data_parallel_size=2)
+
+
+def _state_bytes(rank: int, world: int, sharding: str) -> tuple[int, int]:
+    module, data = build("gpt", 4, "adamw")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+        strategy=HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding=sharding),
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    state = trainer.optimizers[0].state
+    nbytes = sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if torch.is_tensor(v))
+    return nbytes, sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_each_rank_holds_about_half_the_optimizer_state():
+    full = run_distributed(_state_bytes, 2, "none", init_process_group=False)
+    sharded = run_distributed(_state_bytes, 2, "optimizer", init_process_group=False)
+    replica = full[0][0]
+    assert full[1][0] == replica
+    assert sum(b for b, _ in sharded) == replica  # every parameter's state on exactly one rank
+    for nbytes, _ in sharded:
+        assert nbytes <= 0.55 * replica, (nbytes, replica)
+
+
+def test_unknown_sharding_is_refused():
+    with pytest.raises(ValueError, match=r"data_parallel_sharding='full'.*\('none', 'optimizer'\)"):
+        HybridParallelStrategy(data_parallel_sharding="full")
