@@ -59,23 +59,6 @@ def all_reduce_mean_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
 
 
 @_timed
-def reduce_mean_(tensors: Iterable[Tensor], group: ProcessGroup, group_dst: int) -> None:
-    """In place on rank ``group_dst`` of ``group``: each tensor becomes its mean over ``group`` (one reduce
-    per dtype). The other ranks' tensors are left as they were."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    mine = dist.get_group_rank(group, dist.get_rank()) == group_dst
-    for same_dtype in _by_dtype(tensors).values():
-        flat = _flatten_dense_tensors(same_dtype)
-        dist.reduce(flat, op=dist.ReduceOp.SUM, group=group, group_dst=group_dst)
-        if mine:
-            flat.div_(size)
-            for t, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
-                t.copy_(reduced)
-
-
-@_timed
 def broadcast_(tensors: Iterable[Tensor], group: ProcessGroup, group_src: int = 0) -> None:
     """In place: every rank of ``group`` receives the values held by its rank ``group_src``."""
     if dist.get_world_size(group) == 1:

@@ -1,28 +1,41 @@
-"""Sharded data parallelism: optimizer state and reduced gradients split over the dp axis (ZeRO stages 1
-and 2 of Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models").
+"""Sharded data parallelism: optimizer state and reduced gradients split over the dp axis, element by
+element (ZeRO stages 1 and 2 of Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models").
 
-``data_parallel_sharding="optimizer"``. Every parameter an optimizer steps is owned by one rank of the dp
-group (:func:`owners`: greedy balance by bytes over the optimizer's parameters in order, computed once, the
-same on every rank of the group, since its ranks are replicas holding the same parameters). Per step:
+``data_parallel_sharding="optimizer"``. Every parameter ``p`` (its local tensor, under tensor parallelism
+its shard) is cut, flattened, into ``dp`` chunks of ``ceil(numel / dp)`` elements (the last ones shorter
+or empty); dp rank ``r`` owns chunk ``r`` of every parameter. The optimizer keeps the user's parameters
+in its groups, so everything that names, replaces, drops or checkpoints parameters works unchanged; its
+state tensors hold only this rank's chunk (1-D). Per optimizer step:
 
-1. after the backward (and the tensor-, sequence- and pipeline-parallel gradient algebra), each gradient
-   is reduced, as a mean over dp, to its owner only; the other ranks drop it (``grad = None``);
-2. gradient clipping counts each gradient on its owner (the dp group joins the norm's groups);
-3. the optimizer, which skips parameters without a gradient, updates the owned parameters and creates
-   state (Adam's moments, momentum buffers) for them alone;
-4. each owner broadcasts its updated parameters to the other ranks of the dp group.
+1. after the backward and the tensor-, sequence- and pipeline-parallel gradient algebra, one
+   reduce-scatter per dtype leaves on each rank the dp mean of its chunks' gradients; the parameters'
+   full gradients are dropped;
+2. the step window (:meth:`ShardedOptimizer.window`) opens: the optimizer's groups hold chunk views of
+   the parameters (``nn.Parameter`` aliasing each parameter's own storage) with the reduced gradients,
+   and its state is keyed by them. Gradient clipping (by norm: the dp group joins the norm's groups;
+   by value) and the optimizer's update run on the chunks, in place in the parameters' storage;
+3. the window closes (groups and state keyed by the parameters again) and one all-gather per dtype
+   gives every rank every chunk.
 
-Per rank: optimizer state and, after step 1, gradients are 1/dp of a replica's; parameters stay whole.
-Checkpoints store optimizer state by parameter name, each entry written by its owner; a restored optimizer
-keeps only the state of the parameters this rank owns. The numerics are those of plain data parallelism:
-the same mean gradient, the same update, computed once instead of dp times.
+Only element-wise optimizers give the same result on chunks as on the whole tensor; others are refused
+(:func:`check_optimizer`). Per rank: optimizer state and, after step 1, gradients are 1/dp of a
+replica's; parameters stay whole. Checkpoints hold whole optimizer state by parameter name: it is
+gathered on save (:meth:`ShardedOptimizer.gathered_state`) and cut again after a restore
+(:meth:`ShardedOptimizer.cut_state`), so a checkpoint moves between every layout.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
-from torch import Tensor
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
@@ -30,6 +43,12 @@ from lightning_parallel.tensor_parallel import local
 
 Sharding = Literal["none", "optimizer"]
 SHARDINGS: tuple[str, ...] = ("none", "optimizer")
+
+#: torch optimizers whose update of an element depends on that element's parameter, gradient and state only
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
+)
 
 
 def check_sharding(value: str) -> None:
@@ -40,48 +59,177 @@ def check_sharding(value: str) -> None:
         )
 
 
-def owners(optimizer: Optimizer, size: int) -> dict[int, int]:
-    """``id(parameter) -> owning dp rank`` for every parameter of ``optimizer``, balanced by bytes."""
-    loads, out = [0] * size, {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in out:
-                continue
-            rank = min(range(size), key=loads.__getitem__)
-            loads[rank] += local(p).numel() * p.element_size()
-            out[id(p)] = rank
-    return out
+def check_optimizer(optimizer: Optimizer) -> None:
+    inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
+    if not isinstance(inner, ELEMENTWISE):
+        raise ValueError(
+            f"data_parallel_sharding='optimizer' updates each data-parallel rank's chunk of every parameter on its"
+            f" own, which gives the optimizer's result only for element-wise optimizers"
+            f" ({', '.join(c.__name__ for c in ELEMENTWISE)}); {type(inner).__name__} is not one of them: use"
+            " data_parallel_sharding='none'"
+        )
 
 
-def _by_owner(optimizer: Optimizer, owner: dict[int, int], size: int, with_grad: bool) -> list[list[Tensor]]:
-    parts: list[list] = [[] for _ in range(size)]
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in seen or (with_grad and p.grad is None):
-                continue
-            seen.add(id(p))
-            parts[owner[id(p)]].append(p)
-    return parts
+class ShardedOptimizer:
+    """One optimizer's chunks on one dp rank (``rank`` of ``size`` in ``group``)."""
 
+    def __init__(self, optimizer: Optimizer, group: Any, rank: int, size: int) -> None:
+        self.optimizer, self.group, self.rank, self.size = optimizer, group, rank, size
+        self._originals: dict[int, nn.Parameter] = {}  # id(chunk view) -> its parameter, while the window is open
 
-def reduce_to_owners_(optimizer: Optimizer, owner: dict[int, int], group: object, rank: int, size: int) -> None:
-    """Step 1: each gradient becomes its dp mean on its owner; elsewhere it is dropped."""
-    for r, params in enumerate(_by_owner(optimizer, owner, size, with_grad=True)):
-        _collectives.reduce_mean_([local(p.grad) for p in params], group, group_dst=r)
-        if r != rank:
-            for p in params:
+    # ---------------------------------------------------------------------------------- layout
+    def params(self) -> list[nn.Parameter]:
+        seen: set[int] = set()
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _chunk(self, p: Tensor) -> int:
+        return math.ceil(local(p).numel() / self.size)
+
+    def _bounds(self, p: Tensor, rank: int) -> tuple[int, int]:
+        n, c = local(p).numel(), self._chunk(p)
+        return min(rank * c, n), min((rank + 1) * c, n)
+
+    def cut(self, p: Tensor, whole: Tensor) -> Tensor:
+        """This rank's chunk of ``whole`` (shaped like ``p``'s local tensor)."""
+        start, end = self._bounds(p, self.rank)
+        return local(whole).reshape(-1)[start:end]
+
+    # -------------------------------------------------------------------------------- gradients
+    def reduce_scatter_gradients_(self) -> dict[int, Tensor]:
+        """Step 1: ``id(parameter) -> the dp mean of this rank's chunk of its gradient``; drops the full ones."""
+        reduced: dict[int, Tensor] = {}
+        with_grad = [p for p in self.params() if p.grad is not None]
+        for same in _by_dtype(with_grad, lambda p: p.grad.dtype).values():
+            chunks = [self._chunk(p) for p in same]
+            rows = [_padded(local(p.grad), self.size * c).view(self.size, c) for p, c in zip(same, chunks)]
+            flat = torch.cat(rows, dim=1).reshape(-1)
+            out = torch.empty(sum(chunks), dtype=flat.dtype, device=flat.device)
+            if self.size > 1:
+                dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group)
+            else:
+                out.copy_(flat)
+            out.div_(self.size)
+            offset = 0
+            for p, c in zip(same, chunks):
+                start, end = self._bounds(p, self.rank)
+                reduced[id(p)] = out[offset : offset + end - start]
+                offset += c
                 p.grad = None
+        return reduced
+
+    # ---------------------------------------------------------------------------------- window
+    @contextmanager
+    def window(self, reduced: dict[int, Tensor]) -> Iterator[None]:
+        """Steps 2 and 3: the optimizer works on chunk views of the parameters; then every rank gets every
+        chunk."""
+        opt, params = self.optimizer, self.params()
+        views: dict[int, nn.Parameter] = {}
+        copied: list[nn.Parameter] = []  # a non-contiguous parameter's chunk is a copy, written back below
+        for p in params:
+            start, end = self._bounds(p, self.rank)
+            data = local(p.data)
+            chunk = data.view(-1)[start:end] if data.is_contiguous() else data.reshape(-1)[start:end].clone()
+            views[id(p)] = nn.Parameter(chunk)
+            views[id(p)].grad = reduced.get(id(p))
+            if not data.is_contiguous():
+                copied.append(p)
+        self._originals = {id(views[id(p)]): p for p in params}
+        saved_groups = [g["params"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["params"] = [views[id(q)] for q in g["params"]]
+        for p in list(opt.state):
+            if id(p) in views:
+                opt.state[views[id(p)]] = opt.state.pop(p)
+        try:
+            yield
+        finally:
+            for v in list(opt.state):
+                if id(v) in self._originals:
+                    opt.state[self._originals[id(v)]] = opt.state.pop(v)
+            for g, saved in zip(opt.param_groups, saved_groups):
+                g["params"] = saved
+            self._originals = {}
+            with torch.no_grad():
+                for p in copied:
+                    start, end = self._bounds(p, self.rank)
+                    flat = local(p.data).reshape(-1).clone()
+                    flat[start:end] = views[id(p)].data
+                    local(p.data).copy_(flat.view_as(local(p.data)))
+            self.all_gather_parameters_()
+
+    def original(self, p: Tensor) -> Tensor:
+        """The parameter a chunk view (inside the window) belongs to; anything else unchanged."""
+        return self._originals.get(id(p), p)
+
+    def all_gather_parameters_(self) -> None:
+        for same in _by_dtype(self.params(), lambda p: p.dtype).values():
+            chunks = [self._chunk(p) for p in same]
+            mine = torch.cat([_padded(self.cut(p, p.data), c) for p, c in zip(same, chunks)])
+            out = torch.empty(self.size * mine.numel(), dtype=mine.dtype, device=mine.device)
+            if self.size > 1:
+                dist.all_gather_single(out, mine, group=self.group)
+            else:
+                out.copy_(mine)
+            rows, offset = out.view(self.size, -1), 0
+            with torch.no_grad():
+                for p, c in zip(same, chunks):
+                    data = local(p.data)
+                    data.copy_(rows[:, offset : offset + c].reshape(-1)[: data.numel()].view_as(data))
+                    offset += c
+
+    # ----------------------------------------------------------------------------------- state
+    def gathered_state(self) -> dict[Tensor, dict[str, Any]]:
+        """The optimizer's state with every per-element tensor whole (a collective over the dp group)."""
+        out = {}
+        for p in self.params():
+            state = self.optimizer.state.get(p, {})
+            names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1)
+            agreed = _collectives.all_gather_object(names, self.group) if self.size > 1 else [names]
+            if any(a != names for a in agreed):
+                raise RuntimeError(f"the dp ranks hold different optimizer state keys for a parameter: {agreed}")
+            whole = dict(state)
+            for k in names:
+                whole[k] = self._gather(p, state[k])
+            if state:
+                out[p] = whole
+        return out
+
+    def _gather(self, p: Tensor, chunk: Tensor) -> Tensor:
+        c = self._chunk(p)
+        out = torch.empty(self.size * c, dtype=chunk.dtype, device=chunk.device)
+        if self.size > 1:
+            dist.all_gather_single(out, _padded(chunk, c), group=self.group)
+        else:
+            out.copy_(_padded(chunk, c))
+        shaped = out[: local(p).numel()].view_as(local(p))
+        if isinstance(p, DTensor):
+            return DTensor.from_local(shaped, p.device_mesh, p.placements, run_check=False)
+        return shaped
+
+    def cut_state(self) -> None:
+        """After a restore: keep only this rank's chunk of every per-element state tensor."""
+        for p in self.params():
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            for k, v in list(state.items()):
+                if torch.is_tensor(v) and v.dim() >= 1 and tuple(local(v).shape) == tuple(local(p).shape):
+                    state[k] = self.cut(p, v).clone()
 
 
-def broadcast_from_owners_(optimizer: Optimizer, owner: dict[int, int], group: object, size: int) -> None:
-    """Step 4: every rank receives the parameters each owner updated."""
-    for r, params in enumerate(_by_owner(optimizer, owner, size, with_grad=False)):
-        _collectives.broadcast_([local(p.data) for p in params], group, group_src=r)
+def _padded(t: Tensor, n: int) -> Tensor:
+    flat = t.reshape(-1)
+    return flat if flat.numel() == n else torch.cat([flat, flat.new_zeros(n - flat.numel())])
 
 
-def drop_unowned_state(optimizer: Optimizer, owner: dict[int, int], rank: int) -> None:
-    """After a restore: keep only the state of the parameters this rank owns."""
-    for p in list(optimizer.state):
-        if owner.get(id(p), rank) != rank:
-            del optimizer.state[p]
+def _by_dtype(params: list, key: Any) -> dict[torch.dtype, list]:
+    out: dict[torch.dtype, list] = {}
+    for p in params:
+        out.setdefault(key(p), []).append(p)
+    return out

@@ -44,6 +44,10 @@ class TensorParallelMixin:
         tp rank, a tp-replicated parameter on tp rank 0 only."""
         return is_sharded(p) or self.coordinate[TP] == 0  # type: ignore[attr-defined]
 
+    def _original(self, p: nn.Parameter) -> nn.Parameter:
+        """The model's parameter behind an optimizer's parameter (a chunk under sharded data parallelism)."""
+        return p
+
     def _norm_groups(self) -> list[Any]:
         dims = self.parallel_dims  # type: ignore[attr-defined]
         return [g for g, n in ((self.tp_group, dims.tp), (getattr(self, "pp_group", None), dims.pp)) if n > 1]
@@ -52,7 +56,7 @@ class TensorParallelMixin:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model, every parameter counted exactly once
         across the tensor- and pipeline-parallel ranks of a replica."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        counted = [local(p.grad) for p in params if self._counts_in_norm(p)]
+        counted = [local(p.grad) for p in params if self._counts_in_norm(self._original(p))]
         gradients.clip_grad_norm_(params, counted, clip_val, self._norm_groups())
 
     def _local_gradients(self, optimizer: Optimizer) -> list[Tensor]:

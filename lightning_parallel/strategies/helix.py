@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any, Literal, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_parallel import _collectives
@@ -142,6 +142,13 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
         return [], []
+
+    @override
+    def _shared_over_pp(self, module: nn.Module) -> list[Tensor]:
+        # every stage holds the whole model until the first step has split and placed the blocks
+        if self._splits:
+            return super()._shared_over_pp(module)
+        return [t for t in module.state_dict(keep_vars=True).values() if not t.is_meta]
 
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -37,6 +37,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -148,7 +149,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
-        self._owners: dict[int, dict[int, int]] = {}  # id(optimizer) -> id(parameter) -> owning dp rank
+        self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
+        self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
         self._recompute = dict(
             recompute=recompute,
             every_n=recompute_every_n,
@@ -277,6 +279,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.device.type == "meta"})
+            if self._sharded:
+                for opt in self.optimizers:
+                    _sharding.check_optimizer(opt)
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -313,7 +318,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         message = None
         try:
             restoring = lm._trainer is not None and lm.trainer.ckpt_path is not None
-            materialize_(lm, self.root_device, torch.initial_seed(), skip=freed, restoring=restoring)
+            materialize_(lm, self.root_device, self._seed(), skip=freed, restoring=restoring)
         except ConfigurationError as err:
             message = str(err)
         messages = _collectives.all_gather_object(message)
@@ -321,6 +326,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         if failed:
             rank, text = failed[0]
             raise ConfigurationError(f"{text} (rank {rank})" if len(set(m for _, m in failed)) > 1 else text)
+
+    def _seed(self) -> int:
+        """Rank 0's seed (``seed_everything``'s, or the process's own): every rank initialises alike."""
+        return int(_collectives.broadcast_object(torch.initial_seed(), 0, None))
 
     def _placed(self, lm: LightningModule, trunk: Trunk) -> None:
         """After placement and materialisation, before the block layer (the pipeline reports its layout)."""
@@ -359,11 +368,28 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         replace_parameters(self.optimizers, replaced, self._in_memory)
 
     def _sync_module_states(self, module: torch.nn.Module) -> None:
-        """Make every replica start from dp rank 0's parameters and buffers (as DDP does)."""
-        group = self.dp_group
-        if group is not None:
-            tensors = [local(t.data) for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta"]
-            _collectives.broadcast_(tensors, group)
+        """Make every rank start from the values of rank 0 for what they hold in common (as DDP does for
+        replicas): a model initialised without a common seed differs between processes, and the sequence-
+        and tensor-parallel ranks (before sharding) and the pipeline stages (the pre/post-trunk part) each
+        compute with their own copy. Along dp, sp and tp everything is broadcast from coordinate 0 (tensor-
+        parallel shards only along dp and sp); along pp what every stage holds (:meth:`_shared_over_pp`)."""
+        if self._mesh is None:
+            return
+        held = [t for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta"]
+        dims = self.parallel_dims
+        for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
+            if size > 1:
+                tensors = [local(t.data) for t in held if axis != TP or not isinstance(t, DTensor)]
+                _collectives.broadcast_(tensors, self._mesh.get_group(axis))
+        if dims.pp > 1:
+            _collectives.broadcast_([local(t.data) for t in self._shared_over_pp(module)], self.pp_group)
+
+    def _shared_over_pp(self, module: torch.nn.Module) -> list[Tensor]:
+        """The tensors every pipeline stage holds: those outside the trunk's blocks."""
+        if self._blocks is None:
+            return []
+        in_blocks = {id(t) for b in self._blocks.trunk.blocks for t in [*b.parameters(), *b.buffers()]}
+        return [t for t in module.state_dict(keep_vars=True).values() if id(t) not in in_blocks and not t.is_meta]
 
     @override
     def model_to_device(self) -> None:
@@ -402,12 +428,19 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             self.sync_gradients(optimizer)  # before the precision plugin clips and steps
             return out
 
-        out = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-        if self._sharded:  # each owner updated its parameters: the other replicas receive them
-            _sharding.broadcast_from_owners_(
-                optimizer, self._owners_of(optimizer), self.dp_group, self.parallel_dims.dp
-            )
-        return out
+        if not self._sharded:
+            return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+        # sharded: after the gradients are reduced, the optimizer, its clipping and its update see this rank's
+        # chunk of every parameter; leaving the window gathers the chunks (lightning_parallel.strategies._sharding)
+        with ExitStack() as window:
+
+            def closure_then_window() -> Any:
+                out = closure_then_sync()
+                window.enter_context(self._shards_of(optimizer).window(self._reduced.pop(id(optimizer))))
+                return out
+
+            return super().optimizer_step(optimizer, closure_then_window, model, **kwargs)
 
     def sync_gradients(self, optimizer: Optimizer) -> None:
         """Average this optimizer's gradients over the dp group (tensor-parallel shards: their local parts)."""
@@ -417,7 +450,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         if group is None or dp == 1:
             return
         if self._sharded:
-            _sharding.reduce_to_owners_(optimizer, self._owners_of(optimizer), group, self.coordinate[DP], dp)
+            self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
         else:
             _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
 
@@ -425,22 +458,43 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
     def _sharded(self) -> bool:
         return self._dp_sharding == "optimizer" and self.parallel_dims.dp > 1
 
-    def _owners_of(self, optimizer: Optimizer) -> dict[int, int]:
-        if id(optimizer) not in self._owners:
-            self._owners[id(optimizer)] = _sharding.owners(optimizer, self.parallel_dims.dp)
-        return self._owners[id(optimizer)]
+    def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
+        if id(optimizer) not in self._shards:
+            dims = self.parallel_dims
+            self._shards[id(optimizer)] = _sharding.ShardedOptimizer(
+                optimizer, self.dp_group, self.coordinate[DP], dims.dp
+            )
+        return self._shards[id(optimizer)]
 
     @override
     def _norm_groups(self) -> list[Any]:
-        # sharded: each gradient lives on its owner only, so the norm sums over the dp group as well
+        # sharded: each rank holds its chunk of every gradient, so the norm sums over the dp group as well
         return [*super()._norm_groups(), *([self.dp_group] if self._sharded else [])]
+
+    @override
+    def _original(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        for shards in self._shards.values():
+            p = shards.original(p)
+        return p
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._sharded:
+            return super().optimizer_state(optimizer)
+        shards, inner = self._shards_of(optimizer), getattr(optimizer, "optimizer", optimizer)
+        chunks = inner.state
+        inner.state = shards.gathered_state()  # whole, by parameter: the checkpoint moves between layouts
+        try:
+            return super().optimizer_state(optimizer)
+        finally:
+            inner.state = chunks
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
         if self._sharded:
             for opt in self.optimizers:
-                _sharding.drop_unowned_state(opt, self._owners_of(opt), self.coordinate[DP])
+                self._shards_of(opt).cut_state()
 
     # -------------------------------------------------------------- collectives
     @override

@@ -167,6 +167,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             )
         placement = place_blocks(len(trunk), chunks, self._layers_per_stage)
         local = {j for c in range(chunks) if c % dims.pp == stage for j in placement[c]}
+        if self._blocks is None:  # first placement: every rank still holds every (materialised) block
+            self._receive_blocks(trunk, local)
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
         self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device)
@@ -174,6 +176,20 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self._placement = placement
         freed = [b for j, b in enumerate(trunk.blocks) if j not in local]
         return [(j, b) for j, b in enumerate(trunk.blocks) if j in local], freed
+
+    def _receive_blocks(self, trunk: Trunk, local: set[int]) -> None:
+        """Each stage takes its blocks' values from pp coordinate 0 (global rank 0's replica), block by block,
+        freeing the others' as it goes: processes that initialised differently (no common seed) train the
+        model rank 0 built, and a device holds at most its stage plus one block. Meta (deferred) blocks are
+        skipped: they are materialised from a common seed."""
+        for j, block in enumerate(trunk.blocks):
+            tensors = [t for t in [*block.parameters(), *block.buffers()] if not t.is_meta]
+            if not tensors:
+                continue
+            materialised_to(block, self.root_device)
+            _collectives.broadcast_([t.data for t in tensors], self.pp_group)
+            if j not in local:
+                free_blocks([block])
 
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:

@@ -115,6 +115,13 @@ def build(
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         return TwoPassGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **MODEL_KWARGS["gpt"]), data
+    if model == "gpt-rank-seeded":  # each rank initialises from its own seed, as unseeded processes do
+        import os
+
+        torch.manual_seed(int(os.environ.get("RANK", "0")))
+        data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        kw = dict(MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"])
+        return GPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kw), data
     if model in ("gpt-deferred", "gpt-empty-init"):
         from tests.helpers.models import DeferredGPT
 

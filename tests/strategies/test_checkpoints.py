@@ -53,7 +53,7 @@ class StateAtStart(L.Callback):
             named[id(p)]: {
                 k: whole(named[id(p)], v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()
             }
-            for p, s in trainer.optimizers[0].state.items()
+            for p, s in _whole_state(strategy, trainer.optimizers[0]).items()
             if id(p) in named
         }
         parts = _collectives.all_gather_object(state) if _collectives.world_size() > 1 else [state]
@@ -62,6 +62,13 @@ class StateAtStart(L.Callback):
             self.params = {k: v.cpu() for k, v in gather().items()}
         else:
             self.params = {k: v.detach().cpu().clone() for k, v in pl_module.named_parameters()}
+
+
+def _whole_state(strategy, optimizer) -> dict:
+    """The optimizer's state with whole tensors (sharded data parallelism keeps a chunk per rank: gather)."""
+    if getattr(strategy, "_sharded", False):
+        return strategy._shards_of(optimizer).gathered_state()
+    return optimizer.state
 
 
 def _train(

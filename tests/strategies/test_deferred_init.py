@@ -37,6 +37,24 @@ def test_init_module_empty_init_is_materialised_with_parity(layout):
     assert_parity("gpt-empty-init", strategy, world, data_parallel_size=dp)
 
 
+@pytest.mark.parametrize(
+    "layout", ["pipeline pp=2", "helix p=2", "tensor_parallel tp=2", "sequence_parallel sp=2", "hybrid dp=2"]
+)
+def test_ranks_initialised_differently_start_from_rank_0(layout):
+    """Processes without a common seed build different weights (each rank here seeds with its rank): every
+    rank starts from rank 0's values for what it shares with rank 0, so training equals one process that
+    built rank 0's model (seed 0), in every layout, not only along dp."""
+    strategy, world, dp = {
+        **LAYOUTS,
+        "sequence_parallel sp=2": (
+            lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=1),
+            2,
+            1,
+        ),
+    }[layout]
+    assert_parity("gpt-rank-seeded", strategy, world, data_parallel_size=dp)
+
+
 def test_pipeline_materialises_only_its_stage():
     """Each pipeline rank materialises its own blocks: the other stage's stay on meta from the start."""
 
