@@ -58,16 +58,30 @@ def all_reduce_mean_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
             t.copy_(reduced)
 
 
+BUCKET_BYTES = 16 * 2**20
+
+
 @_timed
 def broadcast_(tensors: Iterable[Tensor], group: ProcessGroup, group_src: int = 0) -> None:
-    """In place: every rank of ``group`` receives the values held by its rank ``group_src``."""
+    """In place: every rank of ``group`` receives the values held by its rank ``group_src``. Small tensors
+    travel flattened in buckets of up to 16 MiB, large contiguous ones in place (no whole-model copy)."""
     if dist.get_world_size(group) == 1:
         return
     for same_dtype in _by_dtype(tensors).values():
-        flat = _flatten_dense_tensors(same_dtype)
-        dist.broadcast(flat, group=group, group_src=group_src)
-        for t, received in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
-            t.copy_(received)
+        bucket: list[Tensor] = []
+        for t in [*same_dtype, None]:
+            big = t is not None and t.numel() * t.element_size() >= BUCKET_BYTES and t.is_contiguous()
+            full = t is None or big or sum(b.numel() for b in bucket) * t.element_size() >= BUCKET_BYTES
+            if bucket and full:
+                flat = _flatten_dense_tensors(bucket)
+                dist.broadcast(flat, group=group, group_src=group_src)
+                for b, received in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    b.copy_(received)
+                bucket = []
+            if big:
+                dist.broadcast(t, group=group, group_src=group_src)
+            elif t is not None:
+                bucket.append(t)
 
 
 # ------------------------------------------------------------------------------------------- p2p

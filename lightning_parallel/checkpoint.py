@@ -156,9 +156,13 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, META_FILE))
 
 
-def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
-    """Lightning's checkpoint dict from a sharded directory: the whole model and every optimizer's state,
-    keyed by parameter name (``"lp_format"`` marks it). Reads on this process only, no collectives."""
+def load_sharded(path: str | os.PathLike, held: Iterable[str] | None = None) -> dict[str, Any]:
+    """Lightning's checkpoint dict from a sharded directory: the model and every optimizer's state, keyed by
+    parameter name (``"lp_format"`` marks it). Reads on this process only, no collectives.
+
+    ``held``: the state-dict names this rank holds; then only their tensors (model and optimizer state) are
+    read, through DCP's planner with the keys requested, and ``"lp_state_keys"`` lists every model key the
+    checkpoint has (for strict loading)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a sharded checkpoint directory")
@@ -170,8 +174,15 @@ def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
     meta = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=False)
     if meta.get("lp_format") != FORMAT:
         raise CheckpointError(f"{path!r}: unknown checkpoint format {meta.get('lp_format')!r}, expected {FORMAT!r}")
-    tensors = _read_all(path)
+    keys = None
+    if held is not None:
+        held = list(held)
+        groups = len(meta["lp_group_hparams"])
+        keys = {f"state_dict.{n}" for n in held} | {f"optimizer_{i}.{n}" for i in range(groups) for n in held}
+    tensors = _read_all(path, keys)
     checkpoint = {k: v for k, v in meta.items() if k not in ("lp_group_hparams",)}
+    if held is not None:
+        checkpoint["lp_state_keys"] = _model_keys(path)
     checkpoint["state_dict"] = tensors.get("state_dict", {})
     checkpoint["optimizer_states"] = [
         {
@@ -183,9 +194,16 @@ def load_sharded(path: str | os.PathLike) -> dict[str, Any]:
     return checkpoint
 
 
-def _read_all(path: str) -> dict[str, Any]:
-    # what ``format_utils.dcp_to_torch_save`` does, without writing a file: the whole checkpoint, no
-    # pre-allocated state dict, on this process only
+def _model_keys(path: str) -> list[str]:
+    """The model's state-dict names in a DCP directory, from its metadata alone."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    planner = metadata.planner_data or {}
+    return sorted({planner[k][1] for k in metadata.state_dict_metadata if planner.get(k, ("",))[0] == "state_dict"})
+
+
+def _read_all(path: str, keys: set[str] | None = None) -> dict[str, Any]:
+    # what ``format_utils.dcp_to_torch_save`` does, without writing a file: the checkpoint (or the entries
+    # under ``keys``), no pre-allocated state dict, on this process only
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -193,7 +211,7 @@ def _read_all(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         _load_state_dict(
-            out, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+            out, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys), no_dist=True
         )
     except (Exception, CheckpointException) as err:  # assorted errors for a damaged directory; DCP's is a BaseException
         raise CheckpointError(

@@ -73,14 +73,17 @@ class StateMixin:
         """A sharded directory (any layout) or a plain single-file Lightning checkpoint."""
         path = os.fspath(checkpoint_path)
         if os.path.isdir(path):
-            return _checkpoint.load_sharded(path)
+            lm = self.lightning_module  # type: ignore[attr-defined]
+            held = [n for n, t in lm.state_dict(keep_vars=True).items() if not t.is_meta] if lm is not None else None
+            return _checkpoint.load_sharded(path, held)  # only what this rank holds is read
         return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         lm = self.lightning_module  # type: ignore[attr-defined]
         state = checkpoint["state_dict"]
         if strict:
-            _checkpoint.check_state_dict(state, lm.state_dict().keys(), type(lm).__name__)
+            present = checkpoint.get("lp_state_keys", state)  # a partial read lists every key it skipped too
+            _checkpoint.check_state_dict(dict.fromkeys(present), lm.state_dict().keys(), type(lm).__name__)
         mine = lm.state_dict(keep_vars=True)
         plain = {}
         for name, value in state.items():

@@ -331,3 +331,21 @@ def test_tensor_parallel_checkpoint_holds_the_original_layout_and_round_trips(mo
         _, _, params, optimizer = _run(target, 3, ckpt_in=source, model=model)
         _assert_close(params, {k: v for k, v in reference["state_dict"].items() if k in params}, target)
         _assert_close(optimizer, reference["optimizer_states"][0]["state"], f"{target}: optimizer state")
+
+
+def test_a_stage_reads_only_the_keys_it_holds(tmp_path):
+    """Loading reads only the tensors a rank holds (DCP's planner with the keys requested), and still knows
+    every key the checkpoint has, so strict loading names what is missing."""
+    ckpt = str(tmp_path / "pp2.ckpt")
+    _run("pp2", 2, ckpt_out=ckpt)
+    whole = load_sharded(ckpt)
+    held = [k for k in whole["state_dict"] if k.startswith("transformer.h.0.")] + ["transformer.wte.weight"]
+    part = load_sharded(ckpt, held)
+    assert sorted(part["state_dict"]) == sorted(held)
+    assert sorted(part["optimizer_states"][0]["state"]) == sorted(
+        k for k in held if k in whole["optimizer_states"][0]["state"]
+    )
+    for k in held:
+        torch.testing.assert_close(part["state_dict"][k], whole["state_dict"][k], rtol=0, atol=0)
+    assert part["lp_state_keys"] == sorted(whole["state_dict"])
+    assert part["optimizer_states"][0]["param_groups"] == whole["optimizer_states"][0]["param_groups"]

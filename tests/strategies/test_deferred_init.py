@@ -153,3 +153,39 @@ def test_deferred_llama_refused_under_pipeline_never_a_hang():
     before deferred initialisation existed) the rank prints the refusal and the job ends."""
     with pytest.raises(RankFailed, match=r"(?s)ConfigurationError: deferred initialisation.*rope_cos, rope_sin"):
         run_distributed(_deferred_llama, 2, "pipeline pp=2", init_process_group=False, timeout=60)
+
+
+def _setup_peak(rank: int, world: int) -> tuple[int, int, int]:
+    from lightning_parallel.memory import LiveTensorTracker
+    from tests.helpers.models import DeferredGPT
+
+    class Tracked(PipelineParallelStrategy):
+        def setup(self, trainer):
+            with LiveTensorTracker() as tracker:
+                super().setup(trainer)
+            self.setup_peak = tracker.peak
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 65, (4, 17))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    module = DeferredGPT(vocab_size=65, block_size=16, n_layer=8, n_head=8, n_embd=512, optimizer="sgd")
+    strategy = Tracked(pipeline_parallel_size=2, num_microbatches=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader)
+    block = sum(
+        p.numel() * p.element_size() for p in module.transformer.h[0 if strategy.stage == 0 else -1].parameters()
+    )
+    share = sum(p.numel() * p.element_size() for p in module.parameters() if not p.is_meta)
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    return strategy.setup_peak, share, block, total
+
+
+def test_pipeline_setup_holds_its_share_plus_one_block():
+    """Set-up of a deferred model allocates at most this stage's share plus one block (the whole model
+    would be twice the share): counted by the live-tensor tracker around the strategy's set-up."""
+    for peak, share, block, total in run_distributed(_setup_peak, 2, init_process_group=False):
+        assert 0.45 * total < share < 0.55 * total  # the stage holds about half of the model
+        assert 0.9 * share <= peak <= share + block, (peak / 2**20, share / 2**20, block / 2**20)
