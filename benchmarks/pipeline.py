@@ -1,8 +1,8 @@
 """Pipeline throughput on 2 CPU processes x 1 thread: single process vs our schedules (GPipe, 1F1B,
 interleaved, HelixPipe) vs torch's Schedule1F1B.
 
-    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 --reps 5                       # issue 3 rows
-    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 4096 --m 4 8 --configs helix  # issue 5 rows
+    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 --reps 5                       # pipeline schedules
+    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 4096 --m 4 8 --configs helix  # HelixPipe rows
 
 Model: the example GPT (H=128, 8 blocks, 4 heads, character vocabulary), global batch of m sequences,
 micro-batch = 1 sequence, SGD step included. Every configuration runs one step per round, rounds

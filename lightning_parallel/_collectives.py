@@ -88,7 +88,7 @@ def broadcast_(tensors: Iterable[Tensor], group: ProcessGroup, group_src: int = 
 # gloo sends are rendezvous for a *blocking* send, but an ``isend`` whose ``wait`` is deferred does not
 # block: the runtime posts every send at once, waits for all of them at the end of the step, and blocks
 # only in receives. Tags identify each message, so matching never depends on order. Never poll
-# ``is_completed()`` on gloo p2p (it never turns true, review H2b).
+# ``is_completed()`` on gloo p2p (it never turns true).
 
 _DTYPES = [
     torch.float32,

@@ -4,7 +4,7 @@
 are skipped, so a transposed weight is not counted) and drops it when the storage is freed, via a weak
 reference. It therefore counts every live storage once, whoever holds it: autograd's saved tensors,
 selective checkpointing's cache of kept op outputs, the schedule's own buffers. Saved-tensor hooks
-cannot do this: under checkpointing they see only the checkpoint's inputs (review H4).
+cannot do this: under checkpointing they see only the checkpoint's inputs.
 
 ``kept_for_backward`` is the number the recomputation policies are judged by: bytes still alive after a
 forward, allocated during it (the output included), i.e. what backward will consume.

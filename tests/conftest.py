@@ -7,7 +7,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# A forked rank of a parent that ran multi-threaded work hangs in its first parallel op (review H3):
+# A forked rank of a parent that ran multi-threaded work hangs in its first parallel op:
 # keep the pytest process itself single-threaded, and each rank sets one thread first as well.
 torch.set_num_threads(1)
 

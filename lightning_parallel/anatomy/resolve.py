@@ -83,8 +83,17 @@ def explain(block: nn.Module, config: Any, reasons: list[str]) -> str:
     hints = []
     if config.mlp_chunks > 1 and config.tp == 1 and config.sp == 1 and not config.split:
         hints.append("name the MLP with mlp_module='path.in.block'")
-    if config.tp > 1 and config.sp == 1:
+    if config.tp > 1 and config.sp == 1 and not config.tp_plan:
         hints.append("name the projections with tp_plan={'pattern': 'colwise' | 'rowwise' | 'colwise_qkv'}")
+    elif config.tp > 1 and config.tp_plan:
+        # the plan was given: it shards the projections, but the block's own forward must then run on the
+        # local widths, which a reshape by a head count stored on the block (e.g. view(B, T, 3, nh, hd)) cannot
+        hints.append(
+            f"tp_plan={dict(config.tp_plan)} shards the projections, but a user plan runs the block's own forward,"
+            " which must then work on 1/tensor_parallel_size of every sharded width (no reshape by a head count"
+            " or width stored on the block); drop tp_plan to let the traced graph derive a plan that localises"
+            " those reshapes"
+        )
     return (
         f"no anatomy of {type(block).__name__} serves {features(config)}; tried:{tried}\n"
         f"{''.join(h + ', or ' for h in hints)}pass adapter= (one of {sorted(ADAPTERS)}, or an object with"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_parallel.callbacks.timeline import split_receive
+from lightning_parallel.callbacks.timeline import legend_labels, split_receive
 from lightning_parallel.pipeline.runtime import TimelineEvent
 
 _COLORS = {"F": "#8fb8de", "B": "#2e6fab", "FP": "#8fb8de", "BP": "#2e6fab", "FA": "#f4b183", "BA": "#c55a11"}
@@ -46,15 +46,15 @@ def plot_timeline(
                 ax.text(left + width / 2, row, str(e.microbatch), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(ranks)), [f"stage {stage_of[r]} (rank {r})" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the step began")
+    ax.set_xlabel("ms since the step began (the number in a bar is its micro-batch)")
     ax.set_title(title, fontsize=10)
     kinds = sorted({e.kind for events in events_by_rank.values() for e in events})
     handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(k, "#999999")) for k in kinds]
     handles += [plt.Rectangle((0, 0), 1, 1, facecolor="#dddddd", hatch="//", edgecolor="#999999"),
                 plt.Rectangle((0, 0), 1, 1, color="#d62728")]  # fmt: skip
-    labels = [*kinds, "waiting for producer", "transfer"]
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    labels = [*legend_labels(kinds), "waiting for producer", "transfer"]
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 

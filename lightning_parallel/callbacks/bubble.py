@@ -17,7 +17,8 @@ strategies whose communication it cannot see, e.g. DDP's overlapped bucket all-r
 
 At the end of training (and every ``every_n_steps`` if given) rank 0 writes a merged multi-rank
 Chrome/Perfetto trace (``bubble_trace.json``, open in https://ui.perfetto.dev) of the last
-``trace_steps`` steps and a PNG timeline of the last one (``bubble_timeline.png``) to the log dir.
+``trace_steps`` steps and a PNG timeline of the median one by duration (``bubble_timeline.png``) to
+the log dir.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_parallel import _collectives
 from lightning_parallel.callbacks._base import ProfilerCallback, log_metrics, pipeline_of, position
-from lightning_parallel.callbacks.timeline import analyze, chrome_trace, mean_costs
+from lightning_parallel.callbacks.timeline import analyze, chrome_trace, mean_costs, median_step
 from lightning_parallel.pipeline.runtime import TimelineEvent
 
 
@@ -112,23 +113,29 @@ class BubbleProfiler(ProfilerCallback):
         self.write(trainer)
 
     def write(self, trainer: pl.Trainer, suffix: str = "") -> None:
-        """Rank 0 writes the trace of the buffered steps and the PNG of the latest; no collectives."""
+        """Rank 0 writes the trace of the buffered steps and the PNG of the median one (by duration, so one
+        noisy step does not decide the picture); no collectives."""
         if trainer.global_rank != 0 or not self.history:
             return
         began = self._begin()
         trace = chrome_trace(list(self.history), self.stage_of)
-        self._output(f"bubble_trace{suffix}.json").write_text(json.dumps(trace))
+        written = [f"bubble_trace{suffix}.json"]
+        self._output(written[0]).write_text(json.dumps(trace))
         if self.plot:
             from lightning_parallel.callbacks._plots import plot_timeline
 
-            step, events = self.history[-1]
+            step, events = median_step(list(self.history))
             stages = sorted(set(self.stage_of.values()))
-            measured = " / ".join(f"{self.last.get(f'bubble/stage_{s}', 0):.2f}" for s in stages)
-            theory = " / ".join(f"{self.last.get(f'bubble/theory_stage_{s}', 0):.2f}" for s in stages)
-            title = f"{type(trainer.strategy).__name__}, step {step}: bubble per stage {measured} (theory {theory})"
-            plot_timeline(events, self.stage_of, self._output(f"bubble_timeline{suffix}.png"), title)
+            times = {r: t.bubble for r, t in analyze(events).items()}
+            measured = " / ".join(
+                f"{_mean([b for r, b in times.items() if self.stage_of[r] == s]):.2f}" for s in stages
+            )
+            title = (f"{type(trainer.strategy).__name__}, step {step} (the median of the last {len(self.history)} by"
+                     f" duration): idle fraction per stage {measured}")  # fmt: skip
+            written.append(f"bubble_timeline{suffix}.png")
+            plot_timeline(events, self.stage_of, self._output(written[1]), title)
         self._end_write(began)
-        rank_zero_info(f"BubbleProfiler: wrote bubble_trace{suffix}.json and its PNG to {self.dirpath}")
+        rank_zero_info(f"BubbleProfiler: wrote {' and '.join(written)} to {self.dirpath}")
 
 
 def _plain_metrics(gathered: list[dict[str, Any]]) -> dict[str, float]:

@@ -88,8 +88,28 @@ def mean_costs(events: Iterable[TimelineEvent]) -> dict[tuple[str, int], float]:
     return {key: s / n for key, (s, n) in total.items()}
 
 
+def step_span(by_rank: dict[int, list[TimelineEvent]]) -> float:
+    """Seconds from a step's first action start to its last action end, over the given ranks."""
+    events = [e for events in by_rank.values() for e in events]
+    return max(e.end for e in events) - min(e.start for e in events) if events else 0.0
+
+
+def median_step(
+    steps: list[tuple[int, dict[int, list[TimelineEvent]]]],
+) -> tuple[int, dict[int, list[TimelineEvent]]]:
+    """The step of median duration (the lower median for an even count): one noisy step does not decide
+    the picture."""
+    ranked = sorted(steps, key=lambda s: step_span(s[1]))
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def legend_labels(kinds: Iterable[str]) -> list[str]:
+    """``"FA: forward attention"`` for each action kind drawn (the letters on the timeline's bars)."""
+    return [f"{k}: {KIND_NAMES.get(k, k)}" for k in kinds]
+
+
 # --------------------------------------------------------------------------------- Chrome trace
-_KIND_NAMES = {"F": "forward", "B": "backward", "FP": "forward param chunk", "FA": "forward attention",
+KIND_NAMES = {"F": "forward", "B": "backward", "FP": "forward param chunk", "FA": "forward attention",
                "BP": "backward param chunk", "BA": "backward attention"}  # fmt: skip
 
 
@@ -110,14 +130,15 @@ def chrome_trace(steps: list[tuple[int, dict[int, list[TimelineEvent]]]], stage_
             for e in events:
                 name = f"{e.kind}{e.chunk}.{e.microbatch}"
                 args = {"step": step, "stage": e.stage, "microbatch": e.microbatch, "chunk": e.chunk}
-                out.append({"name": name, "cat": _KIND_NAMES.get(e.kind, e.kind), "ph": "X", "pid": rank, "tid": 0,
-                            "ts": us(e.start), "dur": max(us(e.end) - us(e.start), 0.0), "args": args})  # fmt: skip
+                out.append({"name": name, "cat": KIND_NAMES.get(e.kind, e.kind), "ph": "X", "pid": rank, "tid": 0,
+                            "ts": us(e.start), "dur": max(round(us(e.end) - us(e.start), 3), 0.0),
+                            "args": args})  # fmt: skip
                 wait, transfer = split_receive(e)
                 if e.recv_start is None:
                     continue
                 for label, begin, length in (("wait", e.recv_start, wait), ("transfer", e.recv_start + wait, transfer)):
-                    if length > 0:
-                        dur = round(length * 1e6, 3)
+                    if length > 0:  # both ends on the same rounded grid: adjacent slices touch, never overlap
+                        ts, end = us(begin), us(begin + length)
                         out.append({"name": label, "cat": "communication", "ph": "X", "pid": rank, "tid": 0,
-                                    "ts": us(begin), "dur": dur, "args": {"step": step}})  # fmt: skip
+                                    "ts": ts, "dur": round(end - ts, 3), "args": {"step": step}})  # fmt: skip
     return {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -1,4 +1,4 @@
-"""Capture, then drive (DESIGN §3; review C3, H11): run the user's own step code around the trunk.
+"""Capture, then drive (docs/design.md, "Pipeline parallelism"): run the user's own step code around the trunk.
 
 ``capture`` runs the user's step for one micro-batch with every block standing in as a cheap recorder
 that returns its hidden input unchanged. It records the trunk's input and the arguments each block is

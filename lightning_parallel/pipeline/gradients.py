@@ -1,4 +1,4 @@
-"""Gradient algebra of a pipelined step (DESIGN §3, §5; review C1).
+"""Gradient algebra of a pipelined step (docs/design.md, "Pipeline parallelism").
 
 - ``stash`` / ``restore``: Lightning zeroes gradients *after* ``training_step``, where the schedule has
   already run backward; the schedule's gradients are moved aside and added back in ``backward``.

@@ -17,7 +17,7 @@ With ``recompute=True`` (HelixPipe's default) each ``P`` chunk runs under activa
 stage keeps only the chunk's inputs (attention output and residual) while attention keeps what SDPA
 saves: recomputation without attention (paper §4.1). The loss chunk ``P_L`` then computes the loss under
 ``no_grad`` in forward (for logging) and re-enters the user's step with gradients in its backward, as the
-paper runs the head inside the backward step (review §4.4).
+paper runs the head inside the backward step (docs/design.md, "HelixPipe").
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""Split a batch into micro-batches along its batch dimension (DESIGN §3).
+"""Split a batch into micro-batches along its batch dimension (docs/design.md, "Pipeline parallelism").
 
 Every tensor in the batch collection is split with ``torch.tensor_split``, so a batch that does not
 divide evenly (the DataLoader's default last batch) gives micro-batches whose sizes differ by at most
 one; each micro-batch's loss is then weighted by its share of the batch.
+
+A batch of fewer samples than micro-batches (an epoch's last batch) gives one micro-batch per sample and
+fills the schedule with *padding*: copies of the last sample with share 0. Their loss weight is 0, so they
+add exact zeros to every gradient, and the strategies run them quietly (no ``self.log``, metric states
+restored), so the step trains exactly as one device trains the short batch; every schedule keeps its shape.
 """
 
 from __future__ import annotations
@@ -24,21 +29,17 @@ def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], li
     if len(sizes) > 1:
         raise ValueError(f"the batch's tensors have different sizes along dim 0: {sorted(sizes)}; cannot micro-batch")
     size = sizes.pop()
-    if size < num_microbatches:
-        raise ValueError(
-            f"a batch of {size} samples cannot be split into num_microbatches={num_microbatches};"
-            " lower num_microbatches or raise the batch size"
-        )
+    if size == 0:
+        raise ValueError("the batch is empty (0 samples along dim 0); there is nothing to train on")
+    real = min(size, num_microbatches)
     pieces = [
-        tensor_split(leaf, num_microbatches)
-        if isinstance(leaf, Tensor) and leaf.dim() > 0
-        else [leaf] * num_microbatches
-        for leaf in leaves
+        tensor_split(leaf, real) if isinstance(leaf, Tensor) and leaf.dim() > 0 else [leaf] * real for leaf in leaves
     ]
-    micro = [tree_unflatten([p[i] for p in pieces], spec) for i in range(num_microbatches)]
+    micro = [tree_unflatten([p[i] for p in pieces], spec) for i in range(real)]
     first_tensor = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.dim() > 0)
-    shares = [pieces[first_tensor][i].shape[0] / size for i in range(num_microbatches)]
-    return micro, shares
+    shares = [pieces[first_tensor][i].shape[0] / size for i in range(real)]
+    padding = num_microbatches - real  # copies of the last sample, share 0 (see the module's docstring)
+    return micro + [micro[-1]] * padding, shares + [0.0] * padding
 
 
 def batch_checksum(batch: Any) -> int:

@@ -1,4 +1,4 @@
-"""Logging under a pipelined step (review C2): record, reduce over micro-batches, broadcast, replay.
+"""Logging under a pipelined step: record, reduce over micro-batches, broadcast, replay.
 
 While the schedule runs, ``LightningModule.log`` is replaced by a recorder. Only the loss stage runs
 the user's post-trunk code, so only it records; its records are reduced per name over the

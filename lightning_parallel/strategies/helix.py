@@ -78,6 +78,13 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             raise ValueError(
                 f"helix recomputes everything but attention ('no_attention') or nothing ('none'); got {recompute!r}"
             )
+        ignored = [k for k in ("schedule", "virtual_stages", "layers_per_stage") if k in kwargs]
+        if ignored:
+            raise ValueError(
+                f"helix does not take {', '.join(ignored)}: it runs its own two-fold schedule (folds=) over every block"
+                " of the trunk, one layer at a time across the stages, and recomputes 'no_attention' or nothing;"
+                " use strategy='pipeline' for GPipe / 1F1B / interleaved schedules and stage layouts"
+            )
         if folds not in (1, 2):
             raise ValueError(f"folds must be 1 or 2, got {folds!r}")
         if kwargs.get("sequence_parallel_size", 1) != 1:
@@ -94,6 +101,9 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
             num_microbatches=num_microbatches,
+            schedule="1f1b",  # given here, so neither the signature nor LightningCLI offers the pipeline's schedules
+            virtual_stages=None,
+            layers_per_stage=None,
             mlp_chunks=mlp_chunks,
             adapter=adapter,
             **kwargs,

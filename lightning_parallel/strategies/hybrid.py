@@ -7,7 +7,7 @@ reductions defaulting to the dp group, and gradient averaging over dp.
 Data parallelism is done without ``DistributedDataParallel``: after the step's closure has run
 (forward + backward, and for the pipeline the whole schedule) and before gradient clipping and the
 optimizer step, the gradients are averaged over the dp group with one coalesced all-reduce per
-dtype. The pipeline runtime calls blocks directly and moves gradients between buffers (review C1),
+dtype. The pipeline runtime calls blocks directly and moves gradients between buffers,
 which DDP's autograd-hook reducer cannot follow; one explicit all-reduce at the step works for every
 layout and, with gradient accumulation, runs once per optimizer step rather than per micro-batch.
 """
@@ -111,7 +111,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         tp_plan: Optional[dict[str, str]] = None,
         tp_sequence_parallel: bool = False,
         sequence_parallel_size: Size = 1,
-        sequence_parallel_mode: Literal["ulysses", "ring"] = "ulysses",
+        sequence_parallel_mode: Optional[Literal["ulysses", "ring"]] = None,
         adapter: Optional[Any] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -121,7 +121,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(minutes=30),
         recompute: Policy = "none",
-        recompute_every_n: int = 2,
+        recompute_every_n: Optional[int] = None,
         mlp_chunks: int = 1,
         trunk: Optional[str] = None,
         mlp_module: Optional[str] = None,
@@ -139,6 +139,19 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         check_size(DP, data_parallel_size)  # fail at construction, not at launch
         check_size(TP, tensor_parallel_size)
         check_size(SP, sequence_parallel_size)
+        self._given = {  # arguments that only mean something with another one: checked once the sizes are known
+            "tp_plan": tp_plan is not None,
+            "tp_sequence_parallel": bool(tp_sequence_parallel),
+            "sequence_parallel_mode": sequence_parallel_mode is not None,
+            "data_parallel_sharding": data_parallel_sharding != "none",
+        }
+        if recompute_every_n is not None and recompute != "every_n":
+            raise ValueError(
+                f"recompute_every_n={recompute_every_n} applies to recompute='every_n' only"
+                f" (got recompute={recompute!r})"
+            )
+        recompute_every_n = 2 if recompute_every_n is None else recompute_every_n
+        sequence_parallel_mode = sequence_parallel_mode or "ulysses"
         if sequence_parallel_mode not in MODES:
             raise ValueError(f"sequence_parallel_mode={sequence_parallel_mode!r}; choose one of {MODES}")
         if sequence_parallel_size not in (1, "1") and tp_sequence_parallel:
@@ -241,12 +254,28 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
     def _configure_launcher(self) -> None:
         # Resolve (and so validate) the layout now, when the Trainer is built, before any process starts.
         self._dims = None
-        _ = self.parallel_dims
+        dims = self.parallel_dims
+        self._refuse_unused(dims)
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _refuse_unused(self, dims: ParallelDims) -> None:
+        """Every argument given must take effect in the resolved layout (an ignored one is an error)."""
+        needs = {
+            "tp_plan": ("tensor_parallel_size", dims.tp),
+            "tp_sequence_parallel": ("tensor_parallel_size", dims.tp),
+            "sequence_parallel_mode": ("sequence_parallel_size", dims.sp),
+            "data_parallel_sharding": ("data_parallel_size", dims.dp),
+        }
+        for arg, (size_arg, size) in needs.items():
+            if self._given.get(arg) and size == 1:
+                raise ValueError(
+                    f"{arg} was given, but {size_arg} resolves to 1 in the layout {dims}, so it would have no"
+                    f" effect; set {size_arg} > 1 or drop {arg}"
+                )
 
     @override
     def setup_environment(self) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, Literal, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -38,7 +38,15 @@ from lightning_parallel.pipeline.microbatch import batch_checksum, split_microba
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
-from lightning_parallel.strategies._logging import LogRecorder, MetricStepper, recording, reduce_records, replay_logs
+from lightning_parallel.strategies._logging import (
+    LogRecorder,
+    MetricStepper,
+    recording,
+    reduce_records,
+    replay_logs,
+    restore_metrics,
+    snapshot_metrics,
+)
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
@@ -219,16 +227,26 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             self._check_same_batch(batch)
         self._steps_done += 1
         micro, shares = split_microbatches(batch, self.num_microbatches)
+        if 0.0 in shares:
+            _check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
         accumulate = lm.trainer.accumulate_grad_batches
-        weights = [(s if self._loss_reduction == "mean" else 1.0) / accumulate for s in shares]
+        weights = [(s if self._loss_reduction == "mean" else float(s > 0)) / accumulate for s in shares]
         params = [p for p in lm.parameters() if p.device.type != "meta"]
-        saved = gradients.stash(params)  # Lightning zeroes grads after training_step (review C1)
+        saved = gradients.stash(params)  # Lightning zeroes grads after training_step
         recorder = LogRecorder()
 
         def step_of(i: int, mb: Any) -> Any:
+            padding = shares[i] == 0.0  # fills a short batch's schedule: no logs, metric states left as they were
+
             def step() -> Any:
-                recorder.microbatch, recorder.active = i, runtime.phase == "loss"
-                return lm.training_step(mb, *rest, **kwargs)
+                recorder.microbatch, recorder.active = i, runtime.phase == "loss" and not padding
+                if not padding:
+                    return lm.training_step(mb, *rest, **kwargs)
+                saved = snapshot_metrics(self._metrics.metrics)
+                try:
+                    return lm.training_step(mb, *rest, **kwargs)
+                finally:
+                    restore_metrics(self._metrics.metrics, saved)
 
             return step
 
@@ -246,7 +264,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         if self.is_loss_stage:
             losses = torch.stack([results[i][0].double() for i in range(len(shares))])
             weights = torch.tensor(
-                shares if self._loss_reduction == "mean" else [1.0] * len(shares), dtype=torch.float64
+                shares if self._loss_reduction == "mean" else [float(s > 0) for s in shares], dtype=torch.float64
             )
             total = (losses * weights).sum().to(results[0][0].dtype).cpu()
             logged = reduce_records(recorder, shares)
@@ -255,7 +273,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         return total.to(self.root_device)
 
     def _check_same_batch(self, batch: Any) -> None:
-        """Every rank of one replica must train on the same batch (review M6): compare a checksum."""
+        """Every rank of one replica must train on the same batch: compare a checksum."""
         sums = _collectives.all_gather_object(batch_checksum(batch), self.pp_group)
         if len(set(sums)) > 1:
             raise RuntimeError(
@@ -266,7 +284,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """The schedule already ran backward: fire the hooks and put its gradients in place (review C1)."""
+        """The schedule already ran backward: fire the hooks and put its gradients in place."""
         lm = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
@@ -332,13 +350,30 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Print the traceback and leave now: peers blocked on this rank see "connection closed" within
-        about a second and fail in turn, instead of waiting for the process-group timeout (review H2d)."""
+        about a second and fail in turn, instead of waiting for the process-group timeout."""
         if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
             sys.stderr.write(f"[rank {self.global_rank}] {''.join(traceback.format_exception(exception))}")
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(1)
         super().on_exception(exception)
+
+
+def _check_padding(lm: nn.Module, samples: int, num_microbatches: int) -> None:
+    """Padding micro-batches must not change the model: running statistics (batch norm) would see them.
+    Padding is exact but costs compute: say so once."""
+    stats = [n for n, m in lm.named_modules() if getattr(m, "track_running_stats", False) and m.training]
+    if stats:
+        raise ValueError(
+            f"a batch of {samples} samples is shorter than num_microbatches={num_microbatches}; the schedule is"
+            f" filled with padding micro-batches, which would update the running statistics of {stats[:3]}; use"
+            " a batch size divisible into num_microbatches with drop_last=True, or a smaller num_microbatches"
+        )
+    rank_zero_warn(
+        f"a batch of {samples} samples is shorter than num_microbatches={num_microbatches}: the schedule is filled"
+        f" with {num_microbatches - samples} padding micro-batch(es) of weight 0 (exact, but they cost compute; an"
+        " epoch's last batch does this, a batch size below num_microbatches does it every step)"
+    )
 
 
 def _loss_of(output: Any) -> Tensor:

@@ -43,7 +43,7 @@ class Cell:
 
 
 def run_cell(row: str, column: str, factory: object = None) -> Cell:
-    """Train ``row`` under ``column`` against one process (float32 with SGD, DESIGN §6). A failing rank's
+    """Train ``row`` under ``column`` against one process (float32 with SGD, docs/design.md "Parity tests"). A failing rank's
     error is returned if it is one of the library's clear errors; anything else propagates."""
     make, dp = COLUMNS[column]
     try:

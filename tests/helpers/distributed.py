@@ -2,7 +2,7 @@
 
 Ranks are *forked* from the pytest process, which ``tests/conftest.py`` has already made
 single-threaded and pre-loaded with torch, dynamo, DTensor and Lightning, so a rank starts in
-milliseconds instead of the seconds a spawned interpreter needs (../shared/reference/cpu-gloo.md §g).
+milliseconds instead of the seconds a spawned interpreter needs.
 
 Failure handling follows the "nothing hangs" rule: a rank that raises sends its traceback and leaves
 at once with ``os._exit(1)`` (no teardown collectives, so its peers see "connection closed" within
@@ -139,7 +139,7 @@ def _rank_main(
     timeout: float,
     stderr_fd: int,
 ) -> None:
-    torch.set_num_threads(1)  # first: a forked child of a multi-threaded parent hangs otherwise (review H3)
+    torch.set_num_threads(1)  # first: a forked child of a multi-threaded parent hangs otherwise
     os.dup2(stderr_fd, 2)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     os.environ.update(

@@ -1,4 +1,4 @@
-"""The parity contract (DESIGN §6): a strategy must reproduce single-process training.
+"""The parity contract (docs/design.md, "Parity tests"): a strategy must reproduce single-process training.
 
 ``assert_parity`` trains an example model for K optimizer steps twice on the same global batches:
 once in the pytest process on one device (cached per configuration), once under the strategy on N
@@ -11,7 +11,7 @@ forked gloo ranks with real ``Trainer``s. It then asserts, with ``torch.testing.
 
 Tolerances: float64 with any optimizer ``rtol=1e-9, atol=1e-12``; float32 only with SGD,
 ``rtol=atol=1e-5`` (Adam turns summation-order noise in near-zero gradients into lr-sized updates,
-review H1).
+see ``build``).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def build(
         return zoo.build(model, batch_size, optimizer, 0.05 if optimizer == "sgd" else 1e-3, SEQ_LEN)
     # Adam's lr stays small: parameters whose exact gradient is zero (the key bias of nn.MultiheadAttention:
     # softmax ignores a per-key constant) get updates of about lr * rounding-noise / eps from Adam, which at
-    # lr=1e-2 reach the fp64 atol of 1e-12 by themselves (review H1). Real updates stay ~1e-3 per step.
+    # lr=1e-2 reach the fp64 atol of 1e-12 by themselves. Real updates stay ~1e-3 per step.
     kwargs = dict(MODEL_KWARGS.get(model, {}), optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3)
     if model == "encoder":
         data: L.LightningDataModule = ClassificationDataModule(
@@ -278,7 +278,7 @@ def assert_parity(
     """
     optimizer = optimizer or ("adamw" if dtype == "float64" else "sgd")
     if dtype == "float32" and optimizer != "sgd":
-        raise ValueError("float32 parity is defined for SGD only (DESIGN §6, review H1)")
+        raise ValueError("float32 parity is defined for SGD only (Adam turns rounding noise into lr-sized updates)")
     if global_batch % data_parallel_size:
         raise ValueError(f"global_batch={global_batch} must divide by data_parallel_size={data_parallel_size}")
     extra = tuple(sorted(trainer_kwargs.items()))

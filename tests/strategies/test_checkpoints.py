@@ -1,4 +1,4 @@
-"""Checkpoints like Lightning's (issue 9): exact resume, resume under another layout, plain export,
+"""Checkpoints like Lightning's: exact resume, resume under another layout, plain export,
 atomic saves, and clear errors for checkpoints that do not fit."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The coverage matrix (issue 13): the models users have, as plain LightningModules (tests/helpers/zoo.py),
-under every strategy; each cell reproduces single-process training (float32 with SGD, DESIGN §6: the loss
+"""The coverage matrix: the models users have, as plain LightningModules (tests/helpers/zoo.py),
+under every strategy; each cell reproduces single-process training (float32 with SGD, docs/design.md "Parity tests": the loss
 of every step and every parameter) or ends in one of the library's clear errors, never a silent wrong
 result, an internal traceback or a hang. One Hugging Face family and one home-written block run every
 column in the fast tier; the whole matrix is slow.

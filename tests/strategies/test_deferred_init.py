@@ -1,7 +1,7 @@
-"""Deferred initialisation (issue 14): a model built on the meta device (``configure_model()`` or
+"""Deferred initialisation: a model built on the meta device (``configure_model()`` or
 ``Trainer.init_module(empty_init=True)``) is materialised at set-up, each rank only what it holds,
 initialised module by module from the run's seed (``lightning_parallel.materialize``), so that every
-layout reproduces one process that initialises the whole model by the same rule (DESIGN §6 parity).
+layout reproduces one process that initialises the whole model by the same rule (parity, docs/design.md "Parity tests").
 A model that cannot be initialised that way is refused with the tensors it lacks, on every rank."""
 
 from __future__ import annotations

@@ -210,3 +210,12 @@ def test_bf16_mixed_trains_like_single_device():
     got = run_distributed(_bf16, 2, helix(pipeline_parallel_size=2), init_process_group=False)
     want = _bf16(0, 1, None)
     assert got[0] == got[1] == pytest.approx(want, rel=2e-2)
+
+
+def test_last_batch_shorter_than_num_microbatches_trains_as_one_device():
+    """An epoch's last batch of 3 samples under helix p=2, two folds, m=4: one micro-batch per
+    sample and one padding micro-batch of share 0, exactly as one device trains the short batch."""
+    from lightning_parallel import HelixParallelStrategy
+
+    strategy = lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)  # noqa: E731
+    assert_parity("gpt", strategy, 2, data_parallel_size=1, steps=2, train_samples=11)

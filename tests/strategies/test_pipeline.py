@@ -1,7 +1,7 @@
-"""PipelineParallelStrategy against single-process training (DESIGN §6).
+"""PipelineParallelStrategy against single-process training (docs/design.md, "Parity tests").
 
 The fast tier covers every schedule, model family, dtype and Lightning feature once; the ``slow``
-marker runs the full matrix of issue 3: models x pp {2, 4} x schedules x m {1, 4, 8} x dtypes, with
+marker runs the full matrix: models x pp {2, 4} x schedules x m {1, 4, 8} x dtypes, with
 gradient clipping on and accumulate_grad_batches in {1, 2}.
 """
 
@@ -48,7 +48,7 @@ def test_clipping_uses_the_global_norm():
 
 @pytest.mark.parametrize("recompute_in", ["strategy", "model"])
 def test_recomputation_keeps_parity_when_recompute_runs_after_later_forwards(recompute_in):
-    # 1F1B with m=4 at pp=2: stage 0 recomputes micro-batch i after the forward of i+1 (review C3)
+    # 1F1B with m=4 at pp=2: stage 0 recomputes micro-batch i after the forward of i+1
     if recompute_in == "strategy":
         assert_parity(
             "gpt", pipeline(pipeline_parallel_size=2, num_microbatches=4, recompute="full"), 2, data_parallel_size=1
@@ -61,6 +61,21 @@ def test_uneven_microbatches_and_last_batch_are_weighted_by_share():
     # batches of 8 split 3/3/2, and the epoch's last batch of 4 splits 2/1/1
     strategy = pipeline(pipeline_parallel_size=2, num_microbatches=3)
     assert_parity("gpt", strategy, 2, data_parallel_size=1, steps=3, train_samples=20)
+
+
+@pytest.mark.parametrize(
+    "model,kwargs",
+    [
+        ("gpt", dict(schedule="1f1b")),
+        ("llama", dict(schedule="gpipe")),
+        ("gpt", dict(schedule="interleaved_1f1b", virtual_stages=2)),
+        ("gpt-sum", dict(schedule="1f1b", loss_reduction="sum")),
+    ],
+)
+def test_last_batch_shorter_than_num_microbatches_trains_as_one_device(model, kwargs):
+    # batches of 8 in 4 micro-batches, then the epoch's last batch of 3: 3 micro-batches of one sample + padding
+    strategy = pipeline(pipeline_parallel_size=2, num_microbatches=4, **kwargs)
+    assert_parity(model, strategy, 2, data_parallel_size=1, steps=2, train_samples=11)
 
 
 def test_loss_reduction_sum():

@@ -1,4 +1,4 @@
-"""Sequence (context) parallelism (issue 8), Ulysses and ring: parity with one device, composition with
+"""Sequence (context) parallelism, Ulysses and ring: parity with one device, composition with
 the pipeline and data parallelism, activation memory per rank, and bad input."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Sharded data parallelism (``data_parallel_sharding="optimizer"``, issue 14): the optimizer state and the
-reduced gradients split over the dp ranks, parity with one process (DESIGN §6) in every layout it composes
+"""Sharded data parallelism (``data_parallel_sharding="optimizer"``): the optimizer state and the
+reduced gradients split over the dp ranks, parity with one process (docs/design.md, "Parity tests") in every layout it composes
 with, and each rank holding about 1/dp of the optimizer state."""
 
 from __future__ import annotations

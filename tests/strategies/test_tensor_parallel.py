@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 7): parity with one device for the example models and Hugging Face models,
+"""Tensor parallelism: parity with one device for the example models and Hugging Face models,
 composition with the pipeline and data parallelism, sharded bytes, checkpoints, and bad input."""
 
 from __future__ import annotations
@@ -169,9 +169,20 @@ def _no_attention():
     return NoAttentionLM(vocab_size=data.vocab_size), data
 
 
+def _home_fused():
+    from tests.helpers import zoo
+
+    return zoo.build("home:fused", 4, "sgd", 0.05, 16)
+
+
+_FUSED_PLAN = {"attention.in_proj": "colwise_qkv", "attention.out": "rowwise", "feedforward.fc": "colwise",
+               "feedforward.proj": "rowwise"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "model_fn,kwargs,message",
     [
+        (_home_fused, {"tp_plan": _FUSED_PLAN}, r"(?s)own forward: .*raised RuntimeError: shape .* is invalid.*tp_plan=\{.*\} shards the projections, but a user plan runs the block's own forward.*drop tp_plan"),
         (_gpt(n_layer=2, n_head=3, n_embd=24), {}, r"tensor_parallel_size=2 must divide the number of attention heads \(3\) of Block"),
         (_llama(n_layer=2, n_head=4, n_kv_head=1, dim=32, mlp_hidden=64), {}, r"must divide the number of key/value heads \(1\) of DecoderLayer"),
         (_llama(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=63), {}, r"must divide the output width \(63\) of mlp.gate_proj in DecoderLayer"),

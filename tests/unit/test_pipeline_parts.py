@@ -84,10 +84,29 @@ def test_microbatches_split_unevenly_with_shares():
     assert torch.equal(torch.cat([m[1]["y"] for m in micro]), y) and micro[2][1]["tag"] == "t"
 
 
+def test_a_batch_shorter_than_the_microbatch_count_is_padded_with_share_zero():
+    x = torch.arange(6.0).view(3, 2)
+    micro, shares = split_microbatches(x, 5)
+    assert [m.shape[0] for m in micro] == [1, 1, 1, 1, 1]
+    assert shares == [1 / 3, 1 / 3, 1 / 3, 0.0, 0.0]
+    assert torch.equal(torch.cat(micro[:3]), x) and all(torch.equal(m, x[2:]) for m in micro[3:])
+
+
 def test_microbatch_errors():
-    with pytest.raises(ValueError, match="a batch of 3 samples cannot be split into num_microbatches=4"):
-        split_microbatches(torch.zeros(3, 2), 4)
+    with pytest.raises(ValueError, match="the batch is empty"):
+        split_microbatches(torch.zeros(0, 2), 4)
     with pytest.raises(ValueError, match=r"different sizes along dim 0: \[3, 4\]"):
         split_microbatches((torch.zeros(3), torch.zeros(4)), 2)
     with pytest.raises(ValueError, match="holds no tensor"):
         split_microbatches({"a": 1}, 2)
+
+
+def test_padding_is_refused_where_running_statistics_would_see_it():
+    from torch import nn
+
+    from lightning_parallel.strategies.pipeline import _check_padding
+
+    with pytest.raises(ValueError, match=r"a batch of 3 samples .* running statistics of \['1'\]"):
+        _check_padding(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), 3, 4)
+    with pytest.warns(UserWarning, match="filled with 1 padding micro-batch"):
+        _check_padding(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), 3, 4)

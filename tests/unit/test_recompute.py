@@ -118,7 +118,7 @@ def test_no_attention_runs_each_attention_kernel_once_per_block():
 
 
 def test_attention_dropout_takes_the_math_path_and_is_not_rerun():
-    """CPU SDPA with dropout runs batched matmuls + softmax instead of the flash kernel (review M2).
+    """CPU SDPA with dropout runs batched matmuls + softmax instead of the flash kernel.
     no_attention then keeps the scores, the probabilities and the output (O(T^2)) and recomputes only the
     dropout from them, with the same mask: gradients equal, attention matmuls not re-run."""
     name = "gpt"
