@@ -46,7 +46,11 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------------------------- by name
 def local_state_dict(module: nn.Module) -> dict[str, Any]:
     """The module's state this rank holds (parameters freed to meta by a placement are left out)."""
-    return {k: v for k, v in module.state_dict().items() if not (torch.is_tensor(v) and v.device.type == "meta")}
+    from lightning_parallel.strategies._partial import partial_allowed
+
+    with partial_allowed():
+        state = module.state_dict()
+    return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.device.type == "meta")}
 
 
 def group_names(module: nn.Module, optimizer: Optimizer) -> list[list[str]]:

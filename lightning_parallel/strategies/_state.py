@@ -5,6 +5,7 @@ layout, and the full model gathered by name (tests, export)."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -14,6 +15,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_parallel import _collectives
 from lightning_parallel import checkpoint as _checkpoint
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
@@ -60,7 +62,20 @@ class StateMixin:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} saves DCP directories; storage_options are not supported")
         names = getattr(self, "_group_names", [])
-        _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)  # type: ignore[attr-defined]
+        if getattr(self, "_save_distributed", True):
+            _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)  # type: ignore[attr-defined]
+            return
+        # one consolidated file (like ModelParallelStrategy(save_distributed_checkpoint=False)): the shards are
+        # written as usual next to it, then rank 0 reads them whole, writes the plain checkpoint atomically, and
+        # removes them
+        path = os.fspath(filepath)
+        shards = path + ".shards"
+        _checkpoint.save_sharded(checkpoint, shards, names, self.is_global_zero)  # type: ignore[attr-defined]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            _checkpoint.export(shards, path + ".partial")
+            os.replace(path + ".partial", path)
+            shutil.rmtree(shards)
+        _collectives.barrier()
 
     # ------------------------------------------------------------------------------- load
     @property
@@ -129,6 +144,33 @@ class StateMixin:
             value = layout.to_full(name, p.detach()) if layout is not None else p.detach()
             out[name] = value.cpu().clone()
         return out
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's state dict by original name, on global rank 0 (``{}`` on the other ranks):
+        tensor-parallel shards gathered, the blocks of other pipeline stages received. A collective: call it
+        on every rank, e.g. after ``trainer.fit`` (the in-memory module then holds only this rank's part)."""
+        import torch.distributed as dist
+
+        from lightning_parallel.strategies._partial import partial_allowed
+
+        lm, layout = self.lightning_module, self._tp_layout  # type: ignore[attr-defined]
+        with partial_allowed():
+            state = lm.state_dict()
+        local = {}
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.is_meta:
+                continue
+            if isinstance(value, DTensor):
+                value = layout.to_full(name, value) if layout is not None else value.full_tensor()
+            local[name] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local
+        parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(local, parts, dst=0)
+        if parts is None:
+            return {}
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {name: merged[name] for name in state}
 
     def gather_named_parameters(self) -> dict[str, Tensor]:
         """Every parameter of the full model under its original name, as a detached copy."""

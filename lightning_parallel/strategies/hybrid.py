@@ -50,7 +50,7 @@ from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
-from lightning_parallel.strategies import _sharding
+from lightning_parallel.strategies import _partial, _sharding
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, drop_parameters, replace_parameters
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
@@ -99,6 +99,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         data_parallel_sharding: ``"none"`` (every replica holds the optimizer state) or ``"optimizer"``
             (ZeRO-1/2: optimizer state and reduced gradients split over the dp ranks, parameters whole; see
             :mod:`lightning_parallel.strategies._sharding`).
+        save_distributed_checkpoint: ``True``: a checkpoint is a ``torch.distributed.checkpoint`` directory (one
+            shard per rank, resumable under any layout); ``False``: one plain Lightning ``.ckpt`` file written by
+            rank 0 (what ``python -m lightning_parallel.export`` makes of a directory; loadable without this
+            package).
     """
 
     strategy_name = "hybrid"
@@ -128,6 +132,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         attention_kernels: tuple[str, ...] = (),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         data_parallel_sharding: Sharding = "none",
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -160,6 +165,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
                 " combined with tp_sequence_parallel=True (which splits it between the tensor-parallel regions)"
             )
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
+        self._save_distributed = save_distributed_checkpoint
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
@@ -324,6 +330,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         """The set-up recipe, once for every strategy: find the trunk, prepare the model family, place the
         stages (a hook: all blocks here), then give the blocks this rank runs their composed stack
         (:mod:`lightning_parallel.blocks`: tensor, sequence parallelism, chunked MLP, recomputation)."""
+        _partial.unguard(lm)  # set up again after a fit: the module is whole to the strategy once more
         config = self._block_config()
         if not (config.needs_anatomy or config.recompute != "none" or self._needs_trunk()):
             self.model_to_device()

@@ -38,6 +38,7 @@ from lightning_parallel.pipeline.microbatch import batch_checksum, split_microba
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
+from lightning_parallel.strategies import _partial
 from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
@@ -340,12 +341,28 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         lm = self.lightning_module
         if lm is not None:
             lm.cpu = lambda: materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
+            state = lm._trainer.state if lm._trainer is not None else None
+            fit_done = state is not None and state.fn == "fit" and state.status == "running"
+            if fit_done and any(t.is_meta for t in [*lm.parameters(), *lm.buffers()]):
+                _partial.guard(lm, self._partial_message(lm))
         try:
             super().teardown()
         finally:
             if lm is not None:
                 del lm.cpu
         self.runtime = None
+
+    def _partial_message(self, lm: Any) -> str:
+        tensors = [*lm.parameters(), *lm.buffers()]
+        meta = sum(t.is_meta for t in tensors)
+        return (
+            f"{type(lm).__name__} holds only pipeline stage {self.stage} of {self.parallel_dims.pp} on rank"
+            f" {self.global_rank} after {self.strategy_name} training ({meta} of {len(tensors)} parameters and buffers"
+            " are on the meta device), so its state_dict() would be partial. For the whole model call"
+            " trainer.strategy.full_state_dict() on every rank (rank 0 receives it), or save a checkpoint"
+            " (trainer.save_checkpoint(path); MyModule.load_from_checkpoint(path) reads it, python -m"
+            " lightning_parallel.export writes one plain file)"
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:

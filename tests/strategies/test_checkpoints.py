@@ -170,6 +170,7 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         ("pp2", "dp2"),
         ("dp2zero", "tp2"),
         ("pp2", "dp2zero"),
+        ("pp2", "auto"),  # Lightning's own strategy resumes from the directory (lightning_parallel._loading)
     ],  # fmt: skip
 )
 def test_resume_under_another_layout_restores_model_and_optimizer_state(source, target, tmp_path):
@@ -349,3 +350,81 @@ def test_a_stage_reads_only_the_keys_it_holds(tmp_path):
         torch.testing.assert_close(part["state_dict"][k], whole["state_dict"][k], rtol=0, atol=0)
     assert part["lp_state_keys"] == sorted(whole["state_dict"])
     assert part["optimizer_states"][0]["param_groups"] == whole["optimizer_states"][0]["param_groups"]
+
+
+def test_load_from_checkpoint_reads_a_sharded_directory(tmp_path):
+    from examples.models import GPT
+
+    ckpt = str(tmp_path / "pp2.ckpt")
+    _run("pp2", 2, ckpt_out=ckpt)
+    saved = load_sharded(ckpt)
+    module = GPT.load_from_checkpoint(ckpt, map_location="cpu")
+    got = module.state_dict()
+    assert got.keys() == saved["state_dict"].keys()
+    for k, v in saved["state_dict"].items():
+        torch.testing.assert_close(got[k], v.to(got[k].dtype), rtol=0, atol=0, msg=k)  # the module is float32
+    (tmp_path / "not_a_checkpoint").mkdir()
+    with pytest.raises(
+        CheckpointError, match=r"not a complete lightning-parallel checkpoint.*lightning_parallel.export"
+    ):
+        GPT.load_from_checkpoint(str(tmp_path / "not_a_checkpoint"))
+
+
+def _save_consolidated(rank, world_size, path):
+    module, data = build("gpt", 8, "adamw")
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4, save_distributed_checkpoint=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(path)
+    return {k: v.cpu() for k, v in trainer.strategy.gather_named_parameters().items()}
+
+
+def test_save_distributed_checkpoint_false_writes_one_plain_file(tmp_path):
+    path = tmp_path / "one.ckpt"
+    params = run_distributed(_save_consolidated, 2, str(path), init_process_group=False, timeout=120)[0]
+    assert path.is_file() and not (tmp_path / "one.ckpt.shards").exists()
+    plain = torch.load(path, map_location="cpu", weights_only=False)
+    assert "lp_format" not in plain and len(plain["optimizer_states"]) == 1
+    for k, v in params.items():
+        torch.testing.assert_close(plain["state_dict"][k], v, rtol=0, atol=0, msg=k)
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PLAIN, str(path), str(tmp_path / "sd.pt")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _after_fit(rank, world_size, layout, path):
+    make, devices, dp = LAYOUTS[layout]
+    module, data = build("gpt", 8, "adamw")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=make(), max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    try:
+        module.state_dict()
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    full = trainer.strategy.full_state_dict()
+    if full:
+        torch.save(full, path)
+    trainer.save_checkpoint(path + ".ckpt")  # the library's own partial reads still work
+    return refused, sorted(full), {k: v.cpu() for k, v in trainer.strategy.gather_named_parameters().items()}
+
+
+@pytest.mark.parametrize("layout", ["pp2", "helix2"])
+def test_the_module_after_a_pipelined_fit_is_never_silently_partial(layout, tmp_path):
+    path = str(tmp_path / "full.pt")
+    results = run_distributed(_after_fit, 2, layout, path, init_process_group=False, timeout=120)
+    for refused, _, _ in results:
+        assert "state_dict() would be partial" in refused and "trainer.strategy.full_state_dict()" in refused
+    keys, params = results[0][1], results[0][2]
+    assert results[1][1] == []  # the whole model goes to rank 0 only
+    fresh = build("gpt", 8, "adamw")[0]
+    assert keys == sorted(fresh.state_dict())
+    fresh.load_state_dict(torch.load(path, weights_only=True))  # strict: every tensor, none on meta
+    for k, v in params.items():
+        torch.testing.assert_close(fresh.state_dict()[k], v.to(fresh.state_dict()[k].dtype), rtol=0, atol=0, msg=k)
