@@ -15,6 +15,7 @@ layout and, with gradient accumulation, runs once per optimizer step rather than
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -50,7 +51,7 @@ from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
-from lightning_parallel.strategies import _partial, _sharding
+from lightning_parallel.strategies import _failures, _partial, _sharding
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, drop_parameters, replace_parameters
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
@@ -299,6 +300,20 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._mesh = dims.build_mesh(self.root_device.type)
+        self._peers = _collectives.all_gather_object(_failures.whoami())  # to name a rank that dies
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A connection error caused by a peer that died: say which, first (its traceback never comes)."""
+        peers = getattr(self, "_peers", None)
+        if peers and _failures.is_connection_failure(exception):
+            line = _failures.dead_peers_line(peers, self.global_rank)
+            if line:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        else:
+            _failures.mark_raised(peers, self.global_rank)
+        super().on_exception(exception)
 
     @override
     def setup(self, trainer: Trainer) -> None:

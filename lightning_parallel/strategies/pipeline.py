@@ -38,7 +38,7 @@ from lightning_parallel.pipeline.microbatch import batch_checksum, split_microba
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
-from lightning_parallel.strategies import _partial
+from lightning_parallel.strategies import _failures, _partial
 from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
@@ -369,6 +369,12 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         """Print the traceback and leave now: peers blocked on this rank see "connection closed" within
         about a second and fail in turn, instead of waiting for the process-group timeout."""
         if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
+            peers = getattr(self, "_peers", None)
+            line = _failures.dead_peers_line(peers, self.global_rank) if peers else None
+            if line and _failures.is_connection_failure(exception):
+                sys.stderr.write(line)
+            else:
+                _failures.mark_raised(peers, self.global_rank)
             sys.stderr.write(f"[rank {self.global_rank}] {''.join(traceback.format_exception(exception))}")
             sys.stderr.flush()
             sys.stdout.flush()

@@ -2,6 +2,7 @@
 evaluation, failures and bad input (docs/design.md, "Pipeline parallelism")."""
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -206,6 +207,59 @@ def test_exception_on_one_stage_ends_the_whole_job_with_its_traceback(tmp_path):
     assert proc.returncode != 0
     assert "[rank 1]" in proc.stderr and "ValueError: injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+KILLED_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import lightning as L
+    from examples.data import CharDataModule
+    from examples.models import GPT
+    from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy
+
+    class Killed(GPT):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1 and self.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().training_step(batch, batch_idx)
+
+    if __name__ == "__main__":
+        data = CharDataModule(block_size=16, batch_size=4)
+        strategy = {
+            "pipeline": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2),
+            "tensor_parallel": lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        }[sys.argv[1]]()
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=5, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, strategy=strategy)
+        trainer.fit(Killed(vocab_size=data.vocab_size, block_size=16, n_layer=2, n_embd=32), datamodule=data)
+    """
+)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "tensor_parallel"])
+def test_a_killed_rank_is_named_by_its_peers(strategy, tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), strategy], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert re.search(r"\[rank 0\] rank 1 \(pid \d+ on .*\) died: its process is no longer running", proc.stderr), (
+        proc.stderr[-3000:]
+    )
+    first = proc.stderr.index("died: its process")
+    assert "Traceback" not in proc.stderr[:first]  # the first thing the user reads
+    assert time.monotonic() - start < 60
+
+
+def test_a_rank_that_raised_is_not_called_dead(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert "ValueError: injected failure on rank 1" in proc.stderr and "died:" not in proc.stderr, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------- bad input
