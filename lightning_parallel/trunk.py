@@ -101,8 +101,11 @@ def parameter_bytes(module: nn.Module) -> int:
 
 
 def materialised_to(module: nn.Module, device: torch.device) -> nn.Module:
-    """Move the materialised parameters and buffers of ``module`` to ``device`` (meta ones stay)."""
+    """Move the materialised parameters and buffers of ``module`` to ``device`` (meta ones stay, and so do
+    tensor-parallel DTensors, which live on their mesh's device)."""
+    from torch.distributed.tensor import DTensor
+
     for t in [*module.parameters(), *module.buffers()]:
-        if t.device.type != "meta":
+        if t.device.type != "meta" and not isinstance(t, DTensor):
             t.data = t.data.to(device)
     return module

@@ -15,7 +15,9 @@ layout and, with gradient accumulation, runs once per optimizer step rather than
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -36,6 +38,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -62,6 +65,9 @@ from lightning_parallel.tensor_parallel import TensorParallelLayout, local
 from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
 
 log = logging.getLogger(__name__)
+
+#: the exit code of a job stopped by SIGTERM, on every strategy (128 + the signal's number, as a shell reports it)
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMixin, ParallelStrategy):
@@ -313,6 +319,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
                 sys.stderr.flush()
         else:
             _failures.mark_raised(peers, self.global_rank)
+        if isinstance(exception, SIGTERMException):  # a SystemExit with no code: Lightning's jobs would exit 0
+            exception.code = SIGTERM_EXIT_CODE
         super().on_exception(exception)
 
     @override
@@ -582,8 +590,42 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
 
     @override
     def teardown(self) -> None:
+        # Strategy.teardown calls lightning_module.cpu(), which can neither copy freed (meta) blocks nor swap
+        # tensor-parallel DTensor parameters (the error it raised hid the real one after a failure)
+        lm = self.lightning_module
+        if lm is not None:
+            lm.cpu = lambda: materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
         self._mesh = None
-        super().teardown()
+        try:
+            super().teardown()
+        finally:
+            if lm is not None:
+                del lm.cpu
+
+    # ---------------------------------------------------------------- SIGTERM
+    def _stop_on_sigterm(self) -> None:
+        """Replace Lightning's SIGTERM handler, which runs a ``dist.broadcast`` inside the signal handler: on a
+        rank blocked in a pipeline receive that collective never meets its peers' (a hang until the process
+        group's timeout). This one only records the signal and forwards it to the launched ranks; Lightning's
+        check at the next batch (a broadcast every rank makes at the same point) then stops every rank
+        together, and :meth:`on_exception` ends the job with exit code 143 (128 + SIGTERM)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or threading.current_thread() is not threading.main_thread():
+            return
+        connector = trainer._signal_connector
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            log.info(f"[rank {self.global_rank}] received SIGTERM: stopping after this step")
+            if not connector.received_sigterm and self.launcher is not None:
+                self.launcher.kill(signum)
+            connector.received_sigterm = True
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    @override
+    def on_train_start(self) -> None:
+        self._stop_on_sigterm()
+        super().on_train_start()
 
     @classmethod
     def register(cls) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -48,7 +49,7 @@ from lightning_parallel.strategies._logging import (
     restore_metrics,
     snapshot_metrics,
 )
-from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.strategies.hybrid import SIGTERM_EXIT_CODE, HybridParallelStrategy
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -337,19 +338,13 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        # Strategy.teardown calls lightning_module.cpu(), which cannot copy the freed (meta) blocks
         lm = self.lightning_module
         if lm is not None:
-            lm.cpu = lambda: materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
             state = lm._trainer.state if lm._trainer is not None else None
             fit_done = state is not None and state.fn == "fit" and state.status == "running"
             if fit_done and any(t.is_meta for t in [*lm.parameters(), *lm.buffers()]):
                 _partial.guard(lm, self._partial_message(lm))
-        try:
-            super().teardown()
-        finally:
-            if lm is not None:
-                del lm.cpu
+        super().teardown()
         self.runtime = None
 
     def _partial_message(self, lm: Any) -> str:
@@ -368,6 +363,11 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Print the traceback and leave now: peers blocked on this rank see "connection closed" within
         about a second and fail in turn, instead of waiting for the process-group timeout."""
+        if isinstance(exception, SIGTERMException) and self.world_size > 1:
+            sys.stderr.write(f"[rank {self.global_rank}] stopped by SIGTERM (exit code {SIGTERM_EXIT_CODE})\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(SIGTERM_EXIT_CODE)
         if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
             peers = getattr(self, "_peers", None)
             line = _failures.dead_peers_line(peers, self.global_rank) if peers else None

@@ -262,6 +262,52 @@ def test_a_rank_that_raised_is_not_called_dead(tmp_path):
     assert "ValueError: injected failure on rank 1" in proc.stderr and "died:" not in proc.stderr, proc.stderr[-3000:]
 
 
+SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import lightning as L
+    from examples.data import CharDataModule
+    from examples.models import GPT
+    from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
+
+    class Signalled(GPT):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2 and self.global_rank == 0:  # mid-step, as a scheduler's SIGTERM arrives
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().training_step(batch, batch_idx)
+
+    if __name__ == "__main__":
+        data = CharDataModule(block_size=16, batch_size=4)
+        strategy = {
+            "pipeline": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2),
+            "helix": lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4),
+            "tensor_parallel": lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+            "hybrid": lambda: HybridParallelStrategy(data_parallel_size=2),
+        }[sys.argv[1]]()
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=50, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, strategy=strategy)
+        trainer.fit(Signalled(vocab_size=data.vocab_size, block_size=16, n_layer=2, n_embd=32), datamodule=data)
+        print("FINISHED", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "helix", "tensor_parallel", "hybrid"])
+def test_sigterm_ends_every_strategy_the_same_way(strategy, tmp_path):
+    """SIGTERM mid-step: no hang (no collective inside the signal handler), every strategy exits 143 (128 +
+    SIGTERM) so that schedulers requeueing on the exit code see it, and no teardown error hides the cause."""
+    script = tmp_path / "sigterm.py"
+    script.write_text(SIGTERM_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), strategy], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
+    assert "FINISHED" not in proc.stdout
+    assert "Couldn't swap" not in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 60
+
+
 # ---------------------------------------------------------------------------------- bad input
 def _fit_bad(rank, world_size, model_name, strategy_kwargs, trainer_kwargs, batch):
     module, data = build("gpt" if model_name == "manual" else model_name, batch, "adamw")
