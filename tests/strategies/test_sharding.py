@@ -79,3 +79,21 @@ def test_each_rank_holds_about_half_the_optimizer_state():
 def test_unknown_sharding_is_refused():
     with pytest.raises(ValueError, match=r"data_parallel_sharding='full'.*\('none', 'optimizer'\)"):
         HybridParallelStrategy(data_parallel_sharding="full")
+
+
+def _fit_with(rank: int, world: int, make_optimizer) -> None:
+    module, data = build("gpt", 4, "sgd")
+    module.configure_optimizers = lambda: make_optimizer(module.parameters())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+        strategy=HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"),
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+
+
+def test_a_non_elementwise_optimizer_is_refused():
+    from tests.helpers.distributed import RankFailed
+
+    with pytest.raises(RankFailed, match=r"only for element-wise optimizers .*LBFGS is not one of them"):
+        run_distributed(_fit_with, 2, lambda params: torch.optim.LBFGS(params), init_process_group=False, timeout=60)
