@@ -1,7 +1,7 @@
 """Memory per rank: parameter, gradient and optimizer bytes, and peak RSS during set-up and training.
 
 A GPT with a real vocabulary (V=50257, H=256, 8 blocks, 4 heads, tied embedding and head; about 19 M
-parameters), built in ``configure_model`` (on the meta device under the lightning-parallel strategies:
+parameters), built in ``configure_model`` (``with torch.device("meta")`` under the lightning-parallel strategies:
 deferred initialisation), AdamW, 2 steps of batch 4 x 128 tokens, float32, on CPU. Each layout runs in a
 fresh set of processes launched by Lightning itself (``Trainer(devices=N)`` re-runs this script per rank),
 so every process's peak RSS is its own. Per rank:
@@ -22,6 +22,7 @@ Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` per block and on th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -97,6 +98,18 @@ def rank_main(layout: str, out_dir: str) -> None:
         def configure_model(self) -> None:
             if hasattr(self, "lm_head"):
                 return
+            meta = isinstance(self.trainer.strategy, HybridParallelStrategy)  # deferred: each rank its share
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                self._build()
+            if isinstance(self.trainer.strategy, ModelParallelStrategy):
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.transformer.h:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self, mesh=mesh)
+
+        def _build(self) -> None:
             self.transformer = torch.nn.ModuleDict(
                 dict(
                     wte=torch.nn.Embedding(V, H), wpe=torch.nn.Embedding(T, H), drop=torch.nn.Dropout(0.0),
@@ -105,13 +118,6 @@ def rank_main(layout: str, out_dir: str) -> None:
             )  # fmt: skip
             self.lm_head = torch.nn.Linear(H, V, bias=False)
             self.transformer.wte.weight = self.lm_head.weight
-            if isinstance(self.trainer.strategy, ModelParallelStrategy):
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = self.device_mesh["data_parallel"]
-                for block in self.transformer.h:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self, mesh=mesh)
 
     record: dict[str, Any] = {}
 

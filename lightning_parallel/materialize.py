@@ -1,9 +1,10 @@
 """Deferred initialisation: materialise a model built on the meta device, only what this rank holds.
 
-Lightning's large-model path builds a model without memory: under the lightning-parallel strategies,
-``configure_model()`` and ``Trainer.init_module(empty_init=True)`` put its parameters and buffers on the
-meta device. Set-up then places the stages first (the blocks of other stages stay on meta) and calls
-:func:`materialize_` for the rest, which
+Lightning's large-model path builds a model without memory: a model built on the meta device in
+``configure_model()`` (``with torch.device("meta"): ...``), or under ``Trainer.init_module(empty_init=True)``
+(which the lightning-parallel strategies make a meta-device context, as Lightning's FSDP does). Set-up
+then places the stages first (the blocks of other stages stay on meta) and calls :func:`materialize_` for
+the rest, which
 
 1. gives every meta tensor that this rank holds real, uninitialised memory on the device (a parameter
    shared by several modules, such as tied embeddings, stays one parameter), filled with NaN;
@@ -11,9 +12,10 @@ meta device. Set-up then places the stages first (the blocks of other stages sta
    ``reset_parameters()`` (``_reset_parameters()`` for ``nn.MultiheadAttention``), the convention of
    torch's modules that FSDP and Lightning's ``ModelParallelStrategy`` also rely on, under a generator
    seeded from ``(seed, the module's qualified name)`` (:func:`module_seed`);
-3. refuses, naming them, tensors left unset: a module without ``reset_parameters()``, a buffer its reset
-   does not compute (a RoPE table, say). With a checkpoint to restore (``ckpt_path=``), the tensors it
-   holds may stay unset, since the restore overwrites them; non-persistent buffers may not.
+3. once any checkpoint has been restored (``ckpt_path=``: Lightning restores after set-up), refuses,
+   naming them, the tensors nothing wrote (:func:`check_set`; a tensor's version counter counts its
+   writes, so integer buffers are caught too): a module without ``reset_parameters()``, a buffer its
+   reset does not compute (a RoPE table, say).
 
 The values depend only on the seed and the module's name, not on which rank materialises which module or
 in what order, so one process calling :func:`initialize_` on the whole model gets exactly the same
@@ -26,12 +28,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-
-from lightning_parallel.anatomy.base import ConfigurationError
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -58,23 +59,34 @@ def _direct(module: nn.Module) -> Iterable[tuple[str, Tensor, bool]]:
             yield name, b, False
 
 
-def materialize_(
-    root: nn.Module,
-    device: torch.device,
-    seed: int,
-    skip: Iterable[nn.Module] = (),
-    restoring: bool = False,
-) -> list[str]:
-    """Materialise and initialise the meta tensors of ``root`` outside the modules in ``skip``.
+@dataclass
+class Materialized:
+    """What :func:`materialize_` created: ``(qualified name, module, attribute, tensor, version after the
+    fill)`` per tensor; :meth:`unset` finds those that nothing has written since (no reset, no restore)."""
 
-    Returns the qualified names of the materialised tensors. ``restoring``: a checkpoint will be loaded
-    into the model after set-up, so state-dict entries may be left for it to fill.
-    """
+    entries: list[tuple[str, nn.Module, str, Tensor, int]] = field(default_factory=list)
+
+    def unset(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for qualified, module, attr, tensor, version in self.entries:
+            current = module._parameters.get(attr, module._buffers.get(attr))
+            if current is not tensor:  # replaced by its module (e.g. a reset that assigns a new Parameter)
+                continue
+            floating = tensor.is_floating_point() or tensor.is_complex()
+            if tensor._version == version or (floating and bool(torch.isnan(tensor.detach()).any())):
+                prefix = qualified.rpartition(".")[0]
+                out.setdefault(f"{prefix or '<root>'} ({type(module).__name__})", []).append(attr)
+        return out
+
+
+def materialize_(root: nn.Module, device: torch.device, seed: int, skip: Iterable[nn.Module] = ()) -> Materialized:
+    """Materialise and initialise the meta tensors of ``root`` outside the modules in ``skip``; returns what
+    was created, for :func:`check_set` once any checkpoint has been restored."""
     skipped = {id(m) for s in skip for m in s.modules()}
     held = [(n, m) for n, m in root.named_modules() if id(m) not in skipped]
     fresh: dict[int, Tensor] = {}
     owners: list[tuple[str, nn.Module]] = []
-    names: list[str] = []
+    record = Materialized()
     for prefix, module in held:
         owns = False
         for name, t, is_param in _direct(module):
@@ -86,8 +98,8 @@ def materialize_(
                         data.fill_(float("nan"))
                     new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
                     fresh[id(t)] = new
+                    record.entries.append((f"{prefix}.{name}" if prefix else name, module, name, new, new._version))
                 (module._parameters if is_param else module._buffers)[name] = new
-                names.append(f"{prefix}.{name}" if prefix else name)
                 owns = True
         if owns:
             owners.append((prefix, module))
@@ -98,8 +110,24 @@ def materialize_(
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
                     reset()
-    _check_set(root, held, {id(t) for t in fresh.values()}, restoring)
-    return names
+    return record
+
+
+def check_set(record: Materialized) -> str | None:
+    """The refusal for materialised tensors that no ``reset_parameters()`` and no restored checkpoint wrote
+    (any dtype: a tensor's version counts its writes), or ``None``."""
+    unset = record.unset()
+    if not unset:
+        return None
+    listed = "; ".join(f"{m}: {', '.join(ts)}" for m, ts in list(unset.items())[:6])
+    more = f" (and {len(unset) - 6} more modules)" if len(unset) > 6 else ""
+    return (
+        "deferred initialisation: the model was built on the meta device (on meta in configure_model() or"
+        " under Trainer.init_module(empty_init=True)) and these tensors were never initialised: "
+        f"{listed}{more}. Each module that owns parameters or buffers must compute them in"
+        " reset_parameters() (as torch's modules do); or build the model eagerly; or pass ckpt_path= to"
+        " restore them (persistent ones only)"
+    )
 
 
 def _forked_rng(device: torch.device) -> Any:
@@ -118,26 +146,3 @@ def initialize_(root: nn.Module, seed: int) -> None:
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
                     reset()
-
-
-def _check_set(root: nn.Module, held: list[tuple[str, nn.Module]], fresh: set[int], restoring: bool) -> None:
-    """Refuse every materialised floating tensor that no ``reset_parameters()`` set (NaN left in it)."""
-    persistent = set(root.state_dict(keep_vars=True).keys()) if restoring else set()
-    unset: dict[str, list[str]] = {}
-    for prefix, module in held:
-        for name, t, _ in _direct(module):
-            qualified = f"{prefix}.{name}" if prefix else name
-            if id(t) not in fresh or not (t.is_floating_point() or t.is_complex()) or qualified in persistent:
-                continue
-            if bool(torch.isnan(t.detach()).any()):
-                unset.setdefault(f"{prefix or '<root>'} ({type(module).__name__})", []).append(name)
-    if unset:
-        listed = "; ".join(f"{m}: {', '.join(ts)}" for m, ts in list(unset.items())[:6])
-        more = f" (and {len(unset) - 6} more modules)" if len(unset) > 6 else ""
-        raise ConfigurationError(
-            "deferred initialisation: the model was built on the meta device (configure_model() or"
-            " Trainer.init_module(empty_init=True)) and these tensors have no initialisation: "
-            f"{listed}{more}. Each module that owns parameters or buffers must compute them in"
-            " reset_parameters() (as torch's modules do); or build the model eagerly (in __init__, or"
-            " Trainer.init_module(empty_init=False)); or pass ckpt_path= to restore them (persistent ones only)"
-        )

@@ -38,8 +38,9 @@ def split_microbatches(batch: Any, num_microbatches: int) -> tuple[list[Any], li
     micro = [tree_unflatten([p[i] for p in pieces], spec) for i in range(real)]
     first_tensor = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.dim() > 0)
     shares = [pieces[first_tensor][i].shape[0] / size for i in range(real)]
-    padding = num_microbatches - real  # copies of the last sample, share 0 (see the module's docstring)
-    return micro + [micro[-1]] * padding, shares + [0.0] * padding
+    padding = num_microbatches - real  # the last sample again, share 0 (see the module's docstring); fresh
+    last = [p[real - 1] for p in pieces]  # containers each time, so a step that edits its batch edits its own
+    return micro + [tree_unflatten(last, spec) for _ in range(padding)], shares + [0.0] * padding
 
 
 def batch_checksum(batch: Any) -> int:

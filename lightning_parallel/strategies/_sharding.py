@@ -5,8 +5,8 @@ Trillion Parameter Models").
 ``data_parallel_sharding="optimizer"``. Every parameter ``p`` (its local tensor, under tensor parallelism
 its shard) is cut, flattened, into ``dp`` chunks of ``ceil(numel / dp)`` elements (the last ones shorter
 or empty); dp rank ``r`` owns chunk ``r`` of every parameter. The optimizer keeps the user's parameters
-in its groups, so everything that names, replaces, drops or checkpoints parameters works unchanged; its
-state tensors hold only this rank's chunk (1-D). Per optimizer step:
+in its groups outside the step window, so what names, replaces, drops or checkpoints parameters works
+unchanged; its state tensors hold only this rank's chunk (1-D). Per optimizer step:
 
 1. after the backward and the tensor-, sequence- and pipeline-parallel gradient algebra, one
    reduce-scatter per dtype leaves on each rank the dp mean of its chunks' gradients; the parameters'
@@ -21,8 +21,13 @@ state tensors hold only this rank's chunk (1-D). Per optimizer step:
 Only element-wise optimizers give the same result on chunks as on the whole tensor; others are refused
 (:func:`check_optimizer`). Per rank: optimizer state and, after step 1, gradients are 1/dp of a
 replica's; parameters stay whole. Checkpoints hold whole optimizer state by parameter name: it is
-gathered on save (:meth:`ShardedOptimizer.gathered_state`) and cut again after a restore
-(:meth:`ShardedOptimizer.cut_state`), so a checkpoint moves between every layout.
+gathered on save (:meth:`ShardedOptimizer.gathered_state`) and cut again when the first step after a
+restore opens its window, so a checkpoint moves between every layout. 0-dim parameters are not cut: their
+gradients are averaged whole and every rank steps them.
+
+Inside the window the model's parameters have no ``.grad`` (the optimizer's chunk views in
+``optimizer.param_groups`` hold the reduced gradients): a hook that reads ``pl_module.parameters()``
+gradients in ``on_before_optimizer_step`` sees none.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class ShardedOptimizer:
     def __init__(self, optimizer: Optimizer, group: Any, rank: int, size: int) -> None:
         self.optimizer, self.group, self.rank, self.size = optimizer, group, rank, size
         self._originals: dict[int, nn.Parameter] = {}  # id(chunk view) -> its parameter, while the window is open
+        self._cut: set[int] = set()  # ids of the parameters whose optimizer state holds chunks
 
     # ---------------------------------------------------------------------------------- layout
     def params(self) -> list[nn.Parameter]:
@@ -102,9 +108,21 @@ class ShardedOptimizer:
 
     # -------------------------------------------------------------------------------- gradients
     def reduce_scatter_gradients_(self) -> dict[int, Tensor]:
-        """Step 1: ``id(parameter) -> the dp mean of this rank's chunk of its gradient``; drops the full ones."""
+        """Step 1: ``id(parameter) -> the dp mean of this rank's chunk of its gradient``; drops the full ones.
+        Which parameters have a gradient is agreed over the group first (one missing on a rank counts as
+        zeros there), so every rank reduces the same tensors. A 0-dim parameter stays whole: its gradient
+        is averaged in place and every rank steps it."""
         reduced: dict[int, Tensor] = {}
-        with_grad = [p for p in self.params() if p.grad is not None]
+        params = self.params()
+        has = [p.grad is not None for p in params]
+        agreed = _collectives.any_over_group(has, self.group) if self.size > 1 else has
+        for p, mine, anyone in zip(params, has, agreed):
+            if anyone and not mine:
+                p.grad = torch.zeros_like(p)
+        scalars = [local(p.grad) for p, anyone in zip(params, agreed) if anyone and local(p).dim() == 0]
+        if scalars and self.size > 1:
+            _collectives.all_reduce_mean_(scalars, self.group)
+        with_grad = [p for p, anyone in zip(params, agreed) if anyone and local(p).dim() > 0]
         for same in _by_dtype(with_grad, lambda p: p.grad.dtype).values():
             chunks = [self._chunk(p) for p in same]
             rows = [_padded(local(p.grad), self.size * c).view(self.size, c) for p, c in zip(same, chunks)]
@@ -124,30 +142,57 @@ class ShardedOptimizer:
         return reduced
 
     # ---------------------------------------------------------------------------------- window
+    def _cut_whole_state(self) -> None:
+        """State restored from a checkpoint (or created whole by an optimizer's ``__init__``, like Adagrad's
+        sums) is cut to this rank's chunk once, when a step first opens the window for its parameter; from
+        then on the optimizer creates and keeps chunks only."""
+        for p in self._sharded():
+            if id(p) in self._cut:
+                continue
+            state = self.optimizer.state.get(p)
+            for k, v in list((state or {}).items()):
+                if torch.is_tensor(v) and v.dim() >= 1 and tuple(local(v).shape) == tuple(local(p).shape):
+                    state[k] = self.cut(p, v).clone()
+            self._cut.add(id(p))
+
+    def _sharded(self) -> list[nn.Parameter]:
+        return [p for p in self.params() if local(p).dim() > 0]
+
+    @property
+    def open(self) -> bool:
+        return bool(self._originals)
+
+    def is_whole(self, p: Tensor) -> bool:
+        """A 0-dim parameter of this optimizer: not cut, the same gradient on every dp rank."""
+        return local(p).dim() == 0 and any(p is q for q in self.params())
+
     @contextmanager
     def window(self, reduced: dict[int, Tensor]) -> Iterator[None]:
         """Steps 2 and 3: the optimizer works on chunk views of the parameters; then every rank gets every
-        chunk."""
-        opt, params = self.optimizer, self.params()
+        chunk (not after an exception: groups and state are put back, nothing is exchanged)."""
+        opt = self.optimizer
+        saved_groups = [g["params"] for g in opt.param_groups]
         views: dict[int, nn.Parameter] = {}
         copied: list[nn.Parameter] = []  # a non-contiguous parameter's chunk is a copy, written back below
-        for p in params:
-            start, end = self._bounds(p, self.rank)
-            data = local(p.data)
-            chunk = data.view(-1)[start:end] if data.is_contiguous() else data.reshape(-1)[start:end].clone()
-            views[id(p)] = nn.Parameter(chunk)
-            views[id(p)].grad = reduced.get(id(p))
-            if not data.is_contiguous():
-                copied.append(p)
-        self._originals = {id(views[id(p)]): p for p in params}
-        saved_groups = [g["params"] for g in opt.param_groups]
-        for g in opt.param_groups:
-            g["params"] = [views[id(q)] for q in g["params"]]
-        for p in list(opt.state):
-            if id(p) in views:
-                opt.state[views[id(p)]] = opt.state.pop(p)
+        done = False
         try:
+            self._cut_whole_state()
+            for p in self._sharded():
+                start, end = self._bounds(p, self.rank)
+                data = local(p.data)
+                chunk = data.view(-1)[start:end] if data.is_contiguous() else data.reshape(-1)[start:end].clone()
+                views[id(p)] = nn.Parameter(chunk)
+                views[id(p)].grad = reduced.get(id(p))
+                if not data.is_contiguous():
+                    copied.append(p)
+            self._originals = {id(v): p for p in self._sharded() for v in [views[id(p)]]}
+            for g in opt.param_groups:
+                g["params"] = [views.get(id(q), q) for q in g["params"]]
+            for p in list(opt.state):
+                if id(p) in views:
+                    opt.state[views[id(p)]] = opt.state.pop(p)
             yield
+            done = True
         finally:
             for v in list(opt.state):
                 if id(v) in self._originals:
@@ -155,12 +200,13 @@ class ShardedOptimizer:
             for g, saved in zip(opt.param_groups, saved_groups):
                 g["params"] = saved
             self._originals = {}
-            with torch.no_grad():
-                for p in copied:
-                    start, end = self._bounds(p, self.rank)
-                    flat = local(p.data).reshape(-1).clone()
-                    flat[start:end] = views[id(p)].data
-                    local(p.data).copy_(flat.view_as(local(p.data)))
+        with torch.no_grad():
+            for p in copied:
+                start, end = self._bounds(p, self.rank)
+                flat = local(p.data).reshape(-1).clone()
+                flat[start:end] = views[id(p)].data
+                local(p.data).copy_(flat.view_as(local(p.data)))
+        if done:
             self.all_gather_parameters_()
 
     def original(self, p: Tensor) -> Tensor:
@@ -168,7 +214,7 @@ class ShardedOptimizer:
         return self._originals.get(id(p), p)
 
     def all_gather_parameters_(self) -> None:
-        for same in _by_dtype(self.params(), lambda p: p.dtype).values():
+        for same in _by_dtype(self._sharded(), lambda p: p.dtype).values():
             chunks = [self._chunk(p) for p in same]
             mine = torch.cat([_padded(self.cut(p, p.data), c) for p, c in zip(same, chunks)])
             out = torch.empty(self.size * mine.numel(), dtype=mine.dtype, device=mine.device)
@@ -185,19 +231,17 @@ class ShardedOptimizer:
 
     # ----------------------------------------------------------------------------------- state
     def gathered_state(self) -> dict[Tensor, dict[str, Any]]:
-        """The optimizer's state with every per-element tensor whole (a collective over the dp group)."""
-        out = {}
-        for p in self.params():
-            state = self.optimizer.state.get(p, {})
-            names = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1)
-            agreed = _collectives.all_gather_object(names, self.group) if self.size > 1 else [names]
-            if any(a != names for a in agreed):
-                raise RuntimeError(f"the dp ranks hold different optimizer state keys for a parameter: {agreed}")
-            whole = dict(state)
+        """The optimizer's state with every per-element tensor whole (a collective over the dp group); state
+        not cut yet (restored, no step since) is whole already. Nothing in the optimizer changes."""
+        out = {p: dict(self.optimizer.state[p]) for p in self.params() if p in self.optimizer.state}
+        sharded = [p for p in self._sharded() if id(p) in self._cut and p in self.optimizer.state]
+        per = [sorted(k for k, v in out[p].items() if torch.is_tensor(v) and v.dim() >= 1) for p in sharded]
+        agreed = _collectives.all_gather_object(per, self.group) if self.size > 1 else [per]
+        if any(a != per for a in agreed):
+            raise RuntimeError("the data-parallel ranks hold different optimizer state for the same parameters")
+        for p, names in zip(sharded, per):
             for k in names:
-                whole[k] = self._gather(p, state[k])
-            if state:
-                out[p] = whole
+                out[p][k] = self._gather(p, out[p][k])
         return out
 
     def _gather(self, p: Tensor, chunk: Tensor) -> Tensor:
@@ -209,18 +253,10 @@ class ShardedOptimizer:
             out.copy_(_padded(chunk, c))
         shaped = out[: local(p).numel()].view_as(local(p))
         if isinstance(p, DTensor):
-            return DTensor.from_local(shaped, p.device_mesh, p.placements, run_check=False)
+            return DTensor.from_local(
+                shaped, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         return shaped
-
-    def cut_state(self) -> None:
-        """After a restore: keep only this rank's chunk of every per-element state tensor."""
-        for p in self.params():
-            state = self.optimizer.state.get(p)
-            if not state:
-                continue
-            for k, v in list(state.items()):
-                if torch.is_tensor(v) and v.dim() >= 1 and tuple(local(v).shape) == tuple(local(p).shape):
-                    state[k] = self.cut(p, v).clone()
 
 
 def _padded(t: Tensor, n: int) -> Tensor:

@@ -71,11 +71,17 @@ class StateMixin:
         path = os.fspath(filepath)
         shards = path + ".shards"
         _checkpoint.save_sharded(checkpoint, shards, names, self.is_global_zero)  # type: ignore[attr-defined]
+        error = None
         if self.is_global_zero:  # type: ignore[attr-defined]
-            _checkpoint.export(shards, path + ".partial")
-            os.replace(path + ".partial", path)
-            shutil.rmtree(shards)
-        _collectives.barrier()
+            try:
+                _checkpoint.export(shards, path + ".partial")
+                os.replace(path + ".partial", path)
+                shutil.rmtree(shards)
+            except Exception as err:  # noqa: BLE001  (raised on every rank below, never on rank 0 alone)
+                error = f"writing the consolidated checkpoint {path!r} failed: {type(err).__name__}: {err}"
+        error = _collectives.broadcast_object(error, 0, None)
+        if error is not None:
+            raise _checkpoint.CheckpointError(error)
 
     # ------------------------------------------------------------------------------- load
     @property
@@ -156,6 +162,9 @@ class StateMixin:
         lm, layout = self.lightning_module, self._tp_layout  # type: ignore[attr-defined]
         with partial_allowed():
             state = lm.state_dict()
+        # one copy of each tensor is sent: from the ranks at dp, sp and tp coordinate 0 (every stage has one)
+        coordinate = getattr(self, "coordinate", {})
+        sends = all(coordinate.get(axis, 0) == 0 for axis in ("dp", "sp", "tp"))
         local = {}
         for name, value in state.items():
             if torch.is_tensor(value) and value.is_meta:
@@ -163,6 +172,8 @@ class StateMixin:
             if isinstance(value, DTensor):
                 value = layout.to_full(name, value) if layout is not None else value.full_tensor()
             local[name] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+        if not sends:
+            local = {}
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local
         parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

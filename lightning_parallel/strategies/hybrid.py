@@ -50,7 +50,7 @@ from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.base import ConfigurationError
 from lightning_parallel.anatomy.families import prepare_model
 from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
-from lightning_parallel.materialize import materialize_
+from lightning_parallel.materialize import check_set, materialize_
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
@@ -175,6 +175,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self._save_distributed = save_distributed_checkpoint
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
+        self._materialized: list[Any] = []  # deferred tensors created at set-up, checked when the loop starts
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
         self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
         self._recompute = dict(
@@ -328,6 +329,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         lm = self.lightning_module
         assert self.accelerator is not None and self.model is not None and lm is not None
         self._check_module(lm)
+        self._shards, self._reduced = {}, {}  # the optimizers are built anew below
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._parallelize(lm)
@@ -338,6 +340,12 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             self.setup_optimizers(trainer)
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.device.type == "meta"})
             if self._sharded:
+                if getattr(self.precision_plugin, "precision", None) == "16-mixed":
+                    raise ValueError(
+                        "precision='16-mixed' with data_parallel_sharding='optimizer' is not supported: each rank's"
+                        " loss scaler would see only its chunk of the gradients and skip steps on its own; use"
+                        " precision='bf16-mixed' or '32-true'"
+                    )
                 for opt in self.optimizers:
                     _sharding.check_optimizer(opt)
         self.setup_precision_plugin()
@@ -373,18 +381,30 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
 
     def _materialize(self, lm: LightningModule, freed: list[torch.nn.Module]) -> None:
         """Deferred initialisation (:mod:`lightning_parallel.materialize`) of what this rank holds, seeded by
-        the run's seed; a refusal on any rank is raised with the same message on every rank."""
+        rank 0's seed; whether every tensor got a value is checked when training or evaluation starts (after
+        Lightning has restored any checkpoint). A failure on any rank is raised on every rank."""
         message = None
         try:
-            restoring = lm._trainer is not None and lm.trainer.ckpt_path is not None
-            materialize_(lm, self.root_device, self._seed(), skip=freed, restoring=restoring)
-        except ConfigurationError as err:
-            message = str(err)
+            self._materialized.append(materialize_(lm, self.root_device, self._seed(), skip=freed))
+        except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
+            message = f"deferred initialisation failed: {type(err).__name__}: {err}"
+        self._raise_on_every_rank(message)
+
+    def _check_materialized(self) -> None:
+        if not self._materialized:  # the same on every rank: each appends one record per first placement
+            return
+        message = None
+        for record in self._materialized:
+            message = message or check_set(record)
+        self._materialized = []
+        self._raise_on_every_rank(message)
+
+    def _raise_on_every_rank(self, message: Optional[str]) -> None:
         messages = _collectives.all_gather_object(message)
         failed = [(r, m) for r, m in enumerate(messages) if m is not None]
         if failed:
             rank, text = failed[0]
-            raise ConfigurationError(f"{text} (rank {rank})" if len(set(m for _, m in failed)) > 1 else text)
+            raise ConfigurationError(f"{text} (rank {rank})" if len({m for _, m in failed}) > 1 else text)
 
     def _seed(self) -> int:
         """Rank 0's seed (``seed_everything``'s, or the process's own): every rank initialises alike."""
@@ -467,12 +487,6 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
-    @contextmanager
-    def model_sharded_context(self) -> Any:
-        """``configure_model()`` builds on the meta device (Lightning's large-model path), like ``empty_init``."""
-        with torch.device("meta"):
-            yield
-
     # ---------------------------------------------------------------- training
     @override
     def optimizer_step(
@@ -527,8 +541,16 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
 
     @override
     def _norm_groups(self) -> list[Any]:
-        # sharded: each rank holds its chunk of every gradient, so the norm sums over the dp group as well
-        return [*super()._norm_groups(), *([self.dp_group] if self._sharded else [])]
+        # inside a sharded step's window each rank holds its chunk of every gradient: the norm sums over dp too
+        in_window = any(shards.open for shards in self._shards.values())
+        return [*super()._norm_groups(), *([self.dp_group] if in_window else [])]
+
+    @override
+    def _counts_in_norm(self, p: torch.nn.Parameter) -> bool:
+        # inside a sharded window the norm sums over dp: a 0-dim parameter, whole on every rank, counts once
+        if self.coordinate[DP] != 0 and any(s.open and s.is_whole(p) for s in self._shards.values()):
+            return False
+        return super()._counts_in_norm(p)
 
     @override
     def _original(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -547,13 +569,6 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             return super().optimizer_state(optimizer)
         finally:
             inner.state = chunks
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self._sharded:
-            for opt in self.optimizers:
-                self._shards_of(opt).cut_state()
 
     # -------------------------------------------------------------- collectives
     @override
@@ -607,8 +622,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         """Replace Lightning's SIGTERM handler, which runs a ``dist.broadcast`` inside the signal handler: on a
         rank blocked in a pipeline receive that collective never meets its peers' (a hang until the process
         group's timeout). This one only records the signal and forwards it to the launched ranks; Lightning's
-        check at the next batch (a broadcast every rank makes at the same point) then stops every rank
-        together, and :meth:`on_exception` ends the job with exit code 143 (128 + SIGTERM)."""
+        loop then stops at a batch boundary (its check after the batch on a signalled rank, its per-batch
+        broadcast from rank 0 on the others), so no rank is left inside a pipeline step waiting for a peer,
+        and :meth:`on_exception` ends the job with exit code 143 (128 + SIGTERM)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or threading.current_thread() is not threading.main_thread():
             return
@@ -624,8 +640,24 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
 
     @override
     def on_train_start(self) -> None:
+        self._check_materialized()
         self._stop_on_sigterm()
         super().on_train_start()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._check_materialized()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._check_materialized()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._check_materialized()
+        super().on_predict_start()
 
     @classmethod
     def register(cls) -> None:

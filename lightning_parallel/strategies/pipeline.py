@@ -364,6 +364,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         """Print the traceback and leave now: peers blocked on this rank see "connection closed" within
         about a second and fail in turn, instead of waiting for the process-group timeout."""
         if isinstance(exception, SIGTERMException) and self.world_size > 1:
+            _failures.mark_raised(getattr(self, "_peers", None), self.global_rank)  # stopped, not killed
             sys.stderr.write(f"[rank {self.global_rank}] stopped by SIGTERM (exit code {SIGTERM_EXIT_CODE})\n")
             sys.stderr.flush()
             sys.stdout.flush()

@@ -221,7 +221,7 @@ class NoAttentionLM(L.LightningModule):
 
 class DeferredGPT(GPT):
     """The example GPT built in ``configure_model`` (Lightning's large-model path): on the meta device under
-    the lightning-parallel strategies, eagerly on one device. ``init_module``: build in ``__init__`` instead
+    the lightning-parallel strategies (``with torch.device("meta")``), eagerly on one device. ``init_module``: build in ``__init__`` instead
     (for ``Trainer.init_module(empty_init=True)``)."""
 
     def __init__(
@@ -251,5 +251,10 @@ class DeferredGPT(GPT):
         self.transformer.wte.weight = self.lm_head.weight
 
     def configure_model(self) -> None:
-        if not hasattr(self, "lm_head"):
-            self._build()
+        from contextlib import nullcontext
+
+        from lightning_parallel import HybridParallelStrategy
+
+        if not hasattr(self, "lm_head"):  # on meta where the strategy materialises it (each rank its share)
+            with torch.device("meta") if isinstance(self.trainer.strategy, HybridParallelStrategy) else nullcontext():
+                self._build()

@@ -26,6 +26,13 @@ LAYOUTS = {
     "one": (lambda: HybridParallelStrategy(data_parallel_size=1), 1, 1),
     "dp2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
     "dp2zero": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"), 2, 2),
+    "dp2tp2zero": (
+        lambda: HybridParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="optimizer"
+        ),
+        4,
+        2,
+    ),
     "pp2": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
     "pp4": (lambda: PipelineParallelStrategy(pipeline_parallel_size=4, num_microbatches=4), 4, 1),
     "helix2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, 1),
@@ -129,7 +136,15 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "layout,model", [("pp2", "gpt"), ("helix2", "gpt"), ("dp2", "gpt"), ("dp2zero", "gpt"), ("pp2", "gpt+sched")]
+    "layout,model",
+    [
+        ("pp2", "gpt"),
+        ("helix2", "gpt"),
+        ("dp2", "gpt"),
+        ("dp2zero", "gpt"),
+        ("dp2tp2zero", "gpt"),
+        ("pp2", "gpt+sched"),
+    ],
 )
 def test_resume_at_epoch_boundary_continues_the_straight_run_exactly(layout, model, tmp_path):
     kw = dict(model=model, epoch_end=True)

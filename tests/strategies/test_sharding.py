@@ -97,3 +97,48 @@ def test_a_non_elementwise_optimizer_is_refused():
 
     with pytest.raises(RankFailed, match=r"only for element-wise optimizers .*LBFGS is not one of them"):
         run_distributed(_fit_with, 2, lambda params: torch.optim.LBFGS(params), init_process_group=False, timeout=60)
+
+
+class _WithScalar(L.LightningModule):
+    """A linear model with a learnable 0-dim temperature (which stays whole under sharding)."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer, self.temperature, self.kind = (
+            torch.nn.Linear(8, 5),
+            torch.nn.Parameter(torch.tensor(1.5)),
+            optimizer,
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.layer(x) / self.temperature, y)
+
+    def configure_optimizers(self):
+        return {"adagrad": torch.optim.Adagrad, "adamw": torch.optim.AdamW}[self.kind](self.parameters(), lr=0.1)
+
+
+def _scalar_run(rank: int, world: int, sharding: str, optimizer: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 5, (32,), generator=g))
+    module = _WithScalar(optimizer)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False, precision="64-true",
+        strategy=HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding=sharding),
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adamw"])
+def test_optimizers_with_initial_state_and_0_dim_parameters_shard_exactly(optimizer):
+    """Adagrad creates whole-shaped state in its constructor (cut at the first step); a 0-dim parameter is
+    stepped whole on every rank: both equal plain data parallelism, clipping included."""
+    plain = run_distributed(_scalar_run, 2, "none", optimizer, init_process_group=False)[0]
+    sharded = run_distributed(_scalar_run, 2, "optimizer", optimizer, init_process_group=False)
+    for rank in sharded:
+        for k, v in plain.items():
+            torch.testing.assert_close(rank[k], v, rtol=1e-12, atol=1e-14, msg=k)
+    assert not torch.equal(plain["temperature"], torch.tensor(1.5, dtype=torch.float64))
