@@ -54,7 +54,7 @@ class EncoderClassifier(L.LightningModule):
         tokens, labels = batch
         logits = self(tokens)
         self.val_acc(logits, labels)
-        self.log("val_loss", F.cross_entropy(logits, labels))
+        self.log("val_loss", F.cross_entropy(logits, labels), sync_dist=True)
         self.log("val_acc", self.val_acc)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -115,7 +115,7 @@ class GPT(L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "sgd":

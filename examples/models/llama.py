@@ -113,7 +113,7 @@ class Llama(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         idx, targets = batch
-        self.log("val_loss", F.cross_entropy(self(idx).flatten(0, 1), targets.flatten()))
+        self.log("val_loss", F.cross_entropy(self(idx).flatten(0, 1), targets.flatten()), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "sgd":
