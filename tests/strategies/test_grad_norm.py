@@ -56,3 +56,21 @@ def test_strategy_grad_norm_is_the_one_device_view(layout, norm_type):
             assert g.keys() == w.keys()
             for k in w:
                 assert g[k] == pytest.approx(w[k], rel=1e-9, abs=1e-12), k
+
+
+def _lightning_grad_norm(rank, world):
+    module, data = build("gpt", 8, "sgd")
+    module.on_before_optimizer_step = lambda optimizer: module.log_dict(grad_norm(module, 2))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=LAYOUTS["pp2"](), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+
+
+def test_lightnings_grad_norm_refuses_a_partial_view():
+    """``grad_norm`` was imported at the top of this file, before lightning_parallel: the refusal reaches it."""
+    from tests.helpers.distributed import RankFailed
+
+    with pytest.raises(RankFailed, match=r"grad_norm\(module\) under PipelineParallelStrategy would see only part"):
+        run_distributed(_lightning_grad_norm, 2, init_process_group=False, timeout=60)

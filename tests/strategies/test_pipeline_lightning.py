@@ -403,3 +403,36 @@ def _mismatched_data(rank, world_size):
 def test_ranks_of_one_replica_with_different_batches_are_caught():
     with pytest.raises(RankFailed, match="the pipeline ranks of one replica received different batches"):
         run_distributed(_mismatched_data, 2, init_process_group=False)
+
+
+def _throughput(rank, world_size, dp, root):
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    module, data = build("gpt", 4, "sgd")
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=dp, num_microbatches=2)
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=4, log_every_n_steps=1,
+        logger=CSVLogger(root), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[monitor], limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return trainer.logger.log_dir if rank == 0 else None
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_throughput_monitor_counts_each_replica_once(dp, tmp_path):
+    """Under pp=2 every rank of a replica sees the same batch: ThroughputMonitor's global samples/s is the
+    replicas' (dp x one device's), and with one replica only the device values are logged, as on one device."""
+    import csv
+
+    log_dir = run_distributed(_throughput, 2 * dp, dp, str(tmp_path), init_process_group=False, timeout=120)[0]
+    rows = list(csv.DictReader(open(os.path.join(log_dir, "metrics.csv"))))
+    device = [float(r["train/device/samples_per_sec"]) for r in rows if r.get("train/device/samples_per_sec")]
+    assert device
+    if dp == 1:
+        assert "train/samples_per_sec" not in rows[0]
+    else:
+        total = [float(r["train/samples_per_sec"]) for r in rows if r.get("train/samples_per_sec")]
+        assert total and all(t == pytest.approx(2 * d, rel=1e-9) for t, d in zip(total, device))
