@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 
 _CONNECTION_ERRORS = (
@@ -69,11 +70,16 @@ def is_connection_failure(exception: BaseException) -> bool:
 def dead_peers_line(peers: list[tuple[str, int]], rank: int) -> str | None:
     """One line naming the ranks whose process is gone, or ``None`` if none could be found."""
     host = socket.gethostname()
-    dead = [
-        r
-        for r, (h, pid) in enumerate(peers)
-        if r != rank and h == host and not _running(pid) and not os.path.exists(_marker(peers, r))
-    ]
+    dead: list[int] = []
+    deadline = time.monotonic() + 10.0  # the broken connection can be seen before the killed process is gone
+    while not dead and time.monotonic() < deadline:
+        dead = [
+            r
+            for r, (h, pid) in enumerate(peers)
+            if r != rank and h == host and not _running(pid) and not os.path.exists(_marker(peers, r))
+        ]
+        if not dead:
+            time.sleep(0.1)
     if not dead:
         return None
     unchecked = [r for r, (h, _) in enumerate(peers) if h != host]

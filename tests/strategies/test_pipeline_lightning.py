@@ -219,9 +219,13 @@ KILLED_SCRIPT = textwrap.dedent(
 
     class Killed(GPT):
         def training_step(self, batch, batch_idx):
-            if batch_idx == 1 and self.global_rank == 1:
+            if batch_idx == 1 and self.global_rank == 1 and sys.argv[2] == "step":
                 os.kill(os.getpid(), signal.SIGKILL)
             return super().training_step(batch, batch_idx)
+
+        def on_save_checkpoint(self, checkpoint):
+            if self.global_rank == 1 and sys.argv[2] == "save":
+                os.kill(os.getpid(), signal.SIGKILL)
 
     if __name__ == "__main__":
         data = CharDataModule(block_size=16, batch_size=4)
@@ -229,20 +233,21 @@ KILLED_SCRIPT = textwrap.dedent(
             "pipeline": lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=2),
             "tensor_parallel": lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
         }[sys.argv[1]]()
-        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=5, logger=False, enable_checkpointing=False,
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath="ckpt", every_n_train_steps=2)
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=5, logger=False, callbacks=[checkpoint],
                             enable_progress_bar=False, strategy=strategy)
         trainer.fit(Killed(vocab_size=data.vocab_size, block_size=16, n_layer=2, n_embd=32), datamodule=data)
     """
 )
 
 
-@pytest.mark.parametrize("strategy", ["pipeline", "tensor_parallel"])
-def test_a_killed_rank_is_named_by_its_peers(strategy, tmp_path):
+@pytest.mark.parametrize("strategy,when", [("pipeline", "step"), ("tensor_parallel", "step"), ("pipeline", "save")])
+def test_a_killed_rank_is_named_by_its_peers(strategy, when, tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), strategy], cwd=tmp_path, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), strategy, when], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0
     assert re.search(r"\[rank 0\] rank 1 \(pid \d+ on .*\) died: its process is no longer running", proc.stderr), (
