@@ -184,6 +184,37 @@ def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
             t.copy_(reduced)
 
 
+@_timed
+def reduce_scatter_sum(flat: Tensor, group: ProcessGroup) -> Tensor:
+    """Rank r of ``group`` gets the sum over the group of segment r of ``flat`` (equal segments)."""
+    size = dist.get_world_size(group)
+    out = torch.empty(flat.numel() // size, dtype=flat.dtype, device=flat.device)
+    if size == 1:
+        return out.copy_(flat)
+    dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+@_timed
+def all_gather_flat(mine: Tensor, group: ProcessGroup) -> Tensor:
+    """Every rank's ``mine`` (the same size everywhere), concatenated in group-rank order."""
+    size = dist.get_world_size(group)
+    out = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    if size == 1:
+        return out.copy_(mine)
+    dist.all_gather_single(out, mine, group=group)
+    return out
+
+
+def gather_object_to_zero(obj: object) -> list | None:
+    """Every rank's ``obj`` on global rank 0 (``None`` elsewhere); ``[obj]`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, parts, dst=0)
+    return parts
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 

@@ -1,4 +1,5 @@
-"""Naming a rank that died (instead of raising) when its peers fail on its broken connections.
+"""Ending a job cleanly: SIGTERM without a collective in the signal handler (:func:`stop_on_sigterm`), and
+naming a rank that died (instead of raising) when its peers fail on its broken connections.
 
 At set-up every rank records every rank's host and process id. When a collective or message fails with a
 connection error (gloo: "Connection reset by peer" / "closed by peer"; NCCL: "remote process exited"), the
@@ -10,11 +11,17 @@ raising leaves a marker file (:func:`mark_raised`) before it exits, so its peers
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 _CONNECTION_ERRORS = (
     "Connection reset by peer",
@@ -90,3 +97,25 @@ def dead_peers_line(peers: list[tuple[str, int]], rank: int) -> str | None:
         f" out-of-memory killer); it did not raise an exception here. The connection error below is the"
         f" consequence{more}.\n"
     )
+
+
+def stop_on_sigterm(strategy: Any) -> None:
+    """Replace Lightning's SIGTERM handler, which runs a ``dist.broadcast`` inside the signal handler: on a
+    rank blocked in a pipeline receive that collective never meets its peers' (a hang until the process
+    group's timeout). This one only records the signal and forwards it to the launched ranks; Lightning's
+    loop then stops at a batch boundary (its check after the batch on a signalled rank, its per-batch
+    broadcast from rank 0 on the others), so no rank is left inside a pipeline step waiting for a peer,
+    and the strategy's ``on_exception`` ends the job with exit code 143 (128 + SIGTERM)."""
+    lm = strategy.lightning_module
+    trainer = lm.trainer if lm is not None else None
+    if trainer is None or threading.current_thread() is not threading.main_thread():
+        return
+    connector = trainer._signal_connector
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        log.info(f"[rank {strategy.global_rank}] received SIGTERM: stopping after this step")
+        if not connector.received_sigterm and strategy.launcher is not None:
+            strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)

@@ -38,7 +38,6 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -126,12 +125,7 @@ class ShardedOptimizer:
         for same in _by_dtype(with_grad, lambda p: p.grad.dtype).values():
             chunks = [self._chunk(p) for p in same]
             rows = [_padded(local(p.grad), self.size * c).view(self.size, c) for p, c in zip(same, chunks)]
-            flat = torch.cat(rows, dim=1).reshape(-1)
-            out = torch.empty(sum(chunks), dtype=flat.dtype, device=flat.device)
-            if self.size > 1:
-                dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group)
-            else:
-                out.copy_(flat)
+            out = _collectives.reduce_scatter_sum(torch.cat(rows, dim=1).reshape(-1), self.group)
             out.div_(self.size)
             offset = 0
             for p, c in zip(same, chunks):
@@ -217,12 +211,7 @@ class ShardedOptimizer:
         for same in _by_dtype(self._sharded(), lambda p: p.dtype).values():
             chunks = [self._chunk(p) for p in same]
             mine = torch.cat([_padded(self.cut(p, p.data), c) for p, c in zip(same, chunks)])
-            out = torch.empty(self.size * mine.numel(), dtype=mine.dtype, device=mine.device)
-            if self.size > 1:
-                dist.all_gather_single(out, mine, group=self.group)
-            else:
-                out.copy_(mine)
-            rows, offset = out.view(self.size, -1), 0
+            rows, offset = _collectives.all_gather_flat(mine, self.group).view(self.size, -1), 0
             with torch.no_grad():
                 for p, c in zip(same, chunks):
                     data = local(p.data)
@@ -245,12 +234,7 @@ class ShardedOptimizer:
         return out
 
     def _gather(self, p: Tensor, chunk: Tensor) -> Tensor:
-        c = self._chunk(p)
-        out = torch.empty(self.size * c, dtype=chunk.dtype, device=chunk.device)
-        if self.size > 1:
-            dist.all_gather_single(out, _padded(chunk, c), group=self.group)
-        else:
-            out.copy_(_padded(chunk, c))
+        out = _collectives.all_gather_flat(_padded(chunk, self._chunk(p)), self.group)
         shaped = out[: local(p).numel()].view_as(local(p))
         if isinstance(p, DTensor):
             return DTensor.from_local(

@@ -155,8 +155,6 @@ class StateMixin:
         """The whole model's state dict by original name, on global rank 0 (``{}`` on the other ranks):
         tensor-parallel shards gathered, the blocks of other pipeline stages received. A collective: call it
         on every rank, e.g. after ``trainer.fit`` (the in-memory module then holds only this rank's part)."""
-        import torch.distributed as dist
-
         from lightning_parallel.strategies._partial import partial_allowed
 
         lm, layout = self.lightning_module, self._tp_layout  # type: ignore[attr-defined]
@@ -174,14 +172,11 @@ class StateMixin:
             local[name] = value.detach().cpu().clone() if torch.is_tensor(value) else value
         if not sends:
             local = {}
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return local
-        parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(local, parts, dst=0)
+        parts = _collectives.gather_object_to_zero(local)
         if parts is None:
             return {}
         merged = {k: v for part in parts for k, v in part.items()}
-        return {name: merged[name] for name in state}
+        return {name: merged[name] for name in state if name in merged}
 
     def gather_named_parameters(self) -> dict[str, Tensor]:
         """Every parameter of the full model under its original name, as a detached copy."""

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
-from lightning_parallel.mesh import TP
+from lightning_parallel.mesh import DP, SP, TP
 from lightning_parallel.pipeline import gradients
 from lightning_parallel.tensor_parallel import TensorParallelLayout, is_sharded, local
 
@@ -61,3 +62,47 @@ class TensorParallelMixin:
 
     def _local_gradients(self, optimizer: Optimizer) -> list[Tensor]:
         return [local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def grad_norm(self, norm_type: Union[float, str] = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
+        """Lightning's ``grad_norm(module, norm_type)`` for the whole model, not this rank's part: each
+        parameter's gradient norm under its original name (tensor-parallel shards combined, the other
+        pipeline stages' parameters included, replicated ones counted once) and the total, the same dict on
+        every rank. A collective: call it on every rank, e.g.
+        ``self.log_dict(self.trainer.strategy.grad_norm(2))`` in ``on_before_optimizer_step``. Not inside a
+        sharded data-parallel step (the gradients are chunks there)."""
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
+        if any(shards.open for shards in getattr(self, "_shards", {}).values()):
+            raise RuntimeError(
+                "grad_norm() under data_parallel_sharding='optimizer' is not supported: in on_before_optimizer_step"
+                " each rank holds only its chunk of every gradient"
+            )
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        assert lm is not None
+        mine: dict[str, float] = {}
+        if self.coordinate[DP] == 0 and self.coordinate[SP] == 0:  # type: ignore[attr-defined]
+            # replicas and sp ranks hold the same gradients
+            for name, p in lm.named_parameters():
+                if p.grad is None or not self._counts_in_norm(p):
+                    continue
+                g = local(p.grad).detach().double()
+                mine[name] = (
+                    float(g.abs().max()) if norm_type == float("inf") else float(g.norm(norm_type) ** norm_type)
+                )
+        merged: dict[str, float] = {}
+        for part in _collectives.all_gather_object(mine):
+            for name, value in part.items():
+                merged[name] = (
+                    max(merged.get(name, 0.0), value) if norm_type == float("inf") else merged.get(name, 0.0) + value
+                )
+        order = [n for n, _ in lm.named_parameters() if n in merged]
+        root = (lambda v: v) if norm_type == float("inf") else (lambda v: v ** (1.0 / norm_type))  # noqa: E731
+        norms = {
+            f"grad_{norm_type}_norm{group_separator}{n}": torch.tensor(root(merged[n]), dtype=torch.float64)
+            for n in order
+        }
+        if norms:
+            total = max(merged.values()) if norm_type == float("inf") else sum(merged.values()) ** (1.0 / norm_type)
+            norms[f"grad_{norm_type}_norm_total"] = torch.tensor(total, dtype=torch.float64)
+        return norms

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -552,49 +551,6 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             return False
         return super()._counts_in_norm(p)
 
-    def grad_norm(self, norm_type: Union[float, str] = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
-        """Lightning's ``grad_norm(module, norm_type)`` for the whole model, not this rank's part: each
-        parameter's gradient norm under its original name (tensor-parallel shards combined, the other
-        pipeline stages' parameters included, replicated ones counted once) and the total, the same dict on
-        every rank. A collective: call it on every rank, e.g.
-        ``self.log_dict(self.trainer.strategy.grad_norm(2))`` in ``on_before_optimizer_step``. Not inside a
-        sharded data-parallel step (the gradients are chunks there)."""
-        norm_type = float(norm_type)
-        if norm_type <= 0:
-            raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
-        if any(shards.open for shards in self._shards.values()):
-            raise RuntimeError(
-                "grad_norm() under data_parallel_sharding='optimizer' is not supported: in on_before_optimizer_step"
-                " each rank holds only its chunk of every gradient"
-            )
-        lm = self.lightning_module
-        assert lm is not None
-        mine: dict[str, float] = {}
-        if self.coordinate[DP] == 0 and self.coordinate[SP] == 0:  # replicas and sp ranks hold the same gradients
-            for name, p in lm.named_parameters():
-                if p.grad is None or not self._counts_in_norm(p):
-                    continue
-                g = local(p.grad).detach().double()
-                mine[name] = (
-                    float(g.abs().max()) if norm_type == float("inf") else float(g.norm(norm_type) ** norm_type)
-                )
-        merged: dict[str, float] = {}
-        for part in _collectives.all_gather_object(mine):
-            for name, value in part.items():
-                merged[name] = (
-                    max(merged.get(name, 0.0), value) if norm_type == float("inf") else merged.get(name, 0.0) + value
-                )
-        order = [n for n, _ in lm.named_parameters() if n in merged]
-        root = (lambda v: v) if norm_type == float("inf") else (lambda v: v ** (1.0 / norm_type))  # noqa: E731
-        norms = {
-            f"grad_{norm_type}_norm{group_separator}{n}": torch.tensor(root(merged[n]), dtype=torch.float64)
-            for n in order
-        }
-        if norms:
-            total = max(merged.values()) if norm_type == float("inf") else sum(merged.values()) ** (1.0 / norm_type)
-            norms[f"grad_{norm_type}_norm_total"] = torch.tensor(total, dtype=torch.float64)
-        return norms
-
     @override
     def _original(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
         for shards in self._shards.values():
@@ -660,31 +616,11 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             if lm is not None:
                 del lm.cpu
 
-    # ---------------------------------------------------------------- SIGTERM
-    def _stop_on_sigterm(self) -> None:
-        """Replace Lightning's SIGTERM handler, which runs a ``dist.broadcast`` inside the signal handler: on a
-        rank blocked in a pipeline receive that collective never meets its peers' (a hang until the process
-        group's timeout). This one only records the signal and forwards it to the launched ranks; Lightning's
-        loop then stops at a batch boundary (its check after the batch on a signalled rank, its per-batch
-        broadcast from rank 0 on the others), so no rank is left inside a pipeline step waiting for a peer,
-        and :meth:`on_exception` ends the job with exit code 143 (128 + SIGTERM)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or threading.current_thread() is not threading.main_thread():
-            return
-        connector = trainer._signal_connector
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            log.info(f"[rank {self.global_rank}] received SIGTERM: stopping after this step")
-            if not connector.received_sigterm and self.launcher is not None:
-                self.launcher.kill(signum)
-            connector.received_sigterm = True
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-
+    # ---------------------------------------------------------------- loop starts
     @override
     def on_train_start(self) -> None:
         self._check_materialized()
-        self._stop_on_sigterm()
+        _failures.stop_on_sigterm(self)
         super().on_train_start()
 
     @override
