@@ -295,6 +295,70 @@ def _floating(t: Any) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad
 
 
+def shard_vocabulary(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> list[str]:
+    """Vocabulary parallelism outside the trunk (Megatron-LM's vocabulary-parallel embedding; Shoeybi et al.,
+    arXiv 1909.08053, section 3): the token embedding and the LM head hold 1/tp of the vocabulary each.
+
+    The vocabulary is the row count of the largest ``nn.Embedding`` outside ``blocks``. That embedding is
+    sharded row-wise (``RowwiseParallel``: each rank looks up the ids it holds, zeros elsewhere, one
+    all-reduce); every ``nn.Linear`` outside ``blocks`` whose output width is the vocabulary is sharded
+    column-wise with its logits all-gathered (``ColwiseParallel(output_layouts=Replicate())``), so the
+    user's loss sees whole logits and any loss works. A weight tied between the two stays one parameter
+    (both shard dim 0 of the (vocabulary, hidden) matrix). Shards are uneven where tp does not divide the
+    vocabulary. An embedding with ``padding_idx``, ``max_norm`` or sparse gradients stays whole (the row
+    offsets of a shard would change what they mean), and so does every module tied to it. Returns the
+    names of the sharded modules."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    outer = [(n, m) for n, m in module.named_modules() if id(m) not in inside]
+    embeddings = [m for _, m in outer if isinstance(m, nn.Embedding) and not m.weight.is_meta]
+    if not embeddings:
+        return []
+    vocab = max(m.num_embeddings for m in embeddings)
+    if vocab < mesh.size():
+        return []
+    chosen = [
+        (n, m)
+        for n, m in outer
+        if not getattr(m, "weight", torch.empty(0, device="meta")).is_meta
+        and (
+            isinstance(m, nn.Embedding)
+            and m.num_embeddings == vocab
+            or isinstance(m, nn.Linear)
+            and m.out_features == vocab
+        )
+    ]
+    holders: dict[int, list[nn.Module]] = {}  # parameter -> every module holding it (tied weights: several)
+    for m in [*module.modules()]:
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(m)
+    ok = {id(m) for _, m in chosen if _plain(m)}
+    sharded: dict[int, nn.Parameter] = {}
+    names = []
+    for name, m in chosen:
+        weight = id(m.weight)
+        if weight not in sharded and not all(id(h) in ok for h in holders[weight]):
+            continue  # tied to a module that must stay whole (or to one inside the trunk)
+        if isinstance(m, nn.Embedding):
+            style: Any = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        else:
+            style = ColwiseParallel(output_layouts=Replicate())
+        style.src_data_rank = None  # every rank holds the same full weight: slice locally
+        parallelize_module(m, mesh, style)
+        if weight in sharded:  # tied: the second module takes the first one's sharded parameter
+            m.register_parameter("weight", sharded[weight])
+        else:
+            sharded[weight] = m.weight
+        names.append(name)
+    return names
+
+
+def _plain(m: nn.Module) -> bool:
+    """A module whose vocabulary dimension can be sharded as it is."""
+    if isinstance(m, nn.Embedding):
+        return m.padding_idx is None and m.max_norm is None and not m.sparse
+    return isinstance(m, nn.Linear)
+
+
 def local(t: Tensor) -> Tensor:
     """This rank's part of a (possibly DTensor) tensor, sharing storage."""
     return t.to_local() if isinstance(t, DTensor) else t

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _collectives
+from lightning_parallel.tensor_parallel import local
 
 
 def stash(params: list[nn.Parameter]) -> list[Tensor | None]:
@@ -55,7 +56,7 @@ def sum_replicated_(replicated: list[nn.Parameter], group: _collectives.ProcessG
     for p, u in zip(replicated, used):
         if u and p.grad is None:
             p.grad = torch.zeros_like(p)
-    _collectives.all_reduce_sum_([p.grad for p in replicated if p.grad is not None], group)
+    _collectives.all_reduce_sum_([local(p.grad) for p in replicated if p.grad is not None], group)
 
 
 def clip_grad_norm_(

@@ -29,16 +29,21 @@ class TensorParallelMixin:
     def _materialize_gradients(self, optimizer: Optimizer) -> None:
         """Bring each DTensor gradient to its parameter's placement (a partial sum becomes the sum); under
         sequence parallelism, sum the gradients of the replicated block parameters over the tp group."""
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
-                    p.grad = g.redistribute(placements=p.placements)
+        self._place_gradients(optimizer)
         layout = self._tp_layout
         if layout is not None and layout.partial:
             mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
             grads = [p.grad for p in layout.partial if id(p) in mine and p.grad is not None]
             _collectives.all_reduce_sum_(grads, self.tp_group)
+
+    @staticmethod
+    def _place_gradients(optimizer: Optimizer) -> None:
+        """Bring each DTensor gradient to its parameter's placement (idempotent)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                    p.grad = g.redistribute(placements=p.placements)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p``'s gradient in the global norm: a tensor-parallel shard on every

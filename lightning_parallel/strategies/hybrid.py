@@ -37,6 +37,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,7 +61,7 @@ from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.strategies._tensor import TensorParallelMixin
-from lightning_parallel.tensor_parallel import TensorParallelLayout, local
+from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
 from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
 
 log = logging.getLogger(__name__)
@@ -374,6 +375,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
             self._materialize(lm, freed)
+            if config.tp_mesh is not None:  # before _placed: the pipeline records the pre/post-trunk parameters
+                sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
+                rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
             self._placed(lm, trunk)
             layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
             self._blocks = layer.install(local)

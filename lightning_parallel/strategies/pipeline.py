@@ -300,6 +300,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def sync_gradients(self, optimizer: Optimizer) -> None:
         """Sum replicated (pre/post-trunk) gradients over the pipeline group, then average over dp."""
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._place_gradients(optimizer)  # a vocabulary-parallel gradient may still be a partial sum here
         gradients.sum_replicated_([p for p in self._replicated if id(p) in in_opt], self.pp_group)
         super().sync_gradients(optimizer)
 

@@ -57,6 +57,47 @@ def test_block_parameter_bytes_shrink_to_one_over_tp(model):
         assert unsharded < 0.1 * whole
 
 
+def _outer_parameters(rank, world_size, model, padding_idx):
+    from torch.distributed.tensor import DTensor
+
+    module, data = build(model, 8, "sgd")
+    if padding_idx is not None:
+        module.embed_tokens.padding_idx = padding_idx  # the lookup's row offsets would change its meaning
+    quick_fit(module, data, HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), world_size)
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if ".h." in name or ".layers." in name:
+            continue
+        local = p.to_local() if isinstance(p.data, DTensor) else p
+        out[name] = (tuple(p.shape), tuple(local.shape), str(getattr(p, "placements", None)), id(p))
+    return out
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_the_embedding_and_the_head_are_vocabulary_parallel(model):
+    """The token embedding and the LM head hold half the vocabulary each under tp=2 (uneven halves: the
+    character vocabulary is odd), a tied pair stays one parameter; parity is the tests above."""
+    ranks = run_distributed(_outer_parameters, 2, model, None, init_process_group=False)
+    embedding, head = (
+        ("transformer.wte.weight", "lm_head.weight") if model == "gpt" else ("embed_tokens.weight", "lm_head.weight")
+    )
+    vocab = ranks[0][head][0][0]
+    assert sorted(r[head][1][0] for r in ranks) == sorted([(vocab + 1) // 2, vocab // 2])
+    for r in ranks:
+        assert r[embedding][1][0] == r[head][1][0] < vocab and r[embedding][2] == "(Shard(dim=0),)"
+        assert (r[embedding][3] == r[head][3]) == (model == "gpt")  # tied in the GPT, separate in the Llama
+        small = [n for n, (full, local, _, _) in r.items() if local == full]
+        assert all("wpe" in n or "norm" in n or "ln_f" in n for n in small), small
+
+
+def test_an_embedding_with_padding_idx_stays_whole():
+    ranks = run_distributed(_outer_parameters, 2, "llama", 0, init_process_group=False)
+    for r in ranks:
+        full, local, _, _ = r["embed_tokens.weight"]
+        assert local == full
+        assert r["lm_head.weight"][1][0] < full[0]  # the untied head is still vocabulary-parallel
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
 def test_tp2_with_sequence_parallelism_matches_one_device(model):
     assert_parity(model, _tp(tp_sequence_parallel=True), 2, data_parallel_size=1, gradient_clip_val=0.05)
