@@ -6,8 +6,8 @@ deferred initialisation), AdamW, 2 steps of batch 4 x 128 tokens, float32, on CP
 fresh set of processes launched by Lightning itself (``Trainer(devices=N)`` re-runs this script per rank),
 so every process's peak RSS is its own. Per rank:
 
-- ``params`` / ``grads`` / ``optim``: bytes of this rank's materialised parameters (tensor-parallel
-  shards: the local shard), of its gradients just before the optimizer step (after the strategy's
+- ``params`` / ``grads`` / ``optim``: bytes of this rank's materialised parameters (tensor-parallel and
+  fully sharded data-parallel shards: the local shard), of its gradients just before the optimizer step (after the strategy's
   gradient reduction), and of its optimizer state after the step; each divided by the ideal, the total
   over the number of ranks (what a layout that splits everything, like FSDP, holds);
 - ``base``: RSS before the model is built; ``set-up peak``: the process's peak RSS when training starts;
@@ -42,6 +42,7 @@ LAYOUTS: dict[str, tuple[int, str]] = {
     "dp=2 sharded": (
         2, "HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding='optimizer')"
     ),
+    "dp=2 full": (2, "HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding='full')"),
     "pp=2": (2, "PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)"),
     "helix p=2": (2, "HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)"),
     "tp=2": (2, "HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)"),
@@ -49,6 +50,11 @@ LAYOUTS: dict[str, tuple[int, str]] = {
         4,
         "PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=4,"
         " data_parallel_sharding='optimizer')",
+    ),
+    "pp=2 x dp=2 full": (
+        4,
+        "PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=4,"
+        " data_parallel_sharding='full')",
     ),
     "Lightning ModelParallelStrategy (FSDP2) dp=2": (
         2, "ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)"

@@ -15,6 +15,7 @@ after other micro-batches ran) always sees that block's own saved inputs.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,15 +88,23 @@ def unwrap_output(output: Any, block: nn.Module) -> Tensor:
 
 
 @contextmanager
-def _forwards(blocks: list[nn.Module], make: Callable[[int, nn.Module], Callable[..., Any]]) -> Iterator[None]:
-    """Temporarily replace each block's ``forward`` (an instance attribute; the class is untouched)."""
+def _forwards(
+    blocks: list[nn.Module], make: Callable[[int, nn.Module], Callable[..., Any]], hooks: bool = True
+) -> Iterator[None]:
+    """Temporarily replace each block's ``forward`` (an instance attribute; the class is untouched). With
+    ``hooks=False`` the blocks' forward hooks are suspended too: a recorder or a pass-through computes
+    nothing, so neither FSDP's parameter gathering nor a user's hook should see it."""
     saved = [b.__dict__.get("forward") for b in blocks]
+    hooked = [(b._forward_pre_hooks, b._forward_hooks) for b in blocks]
     for j, b in enumerate(blocks):
         b.forward = make(j, b)
+        if not hooks:
+            b._forward_pre_hooks, b._forward_hooks = OrderedDict(), OrderedDict()
     try:
         yield
     finally:
-        for b, old in zip(blocks, saved):
+        for b, old, (pre, post) in zip(blocks, saved, hooked):
+            b._forward_pre_hooks, b._forward_hooks = pre, post
             if old is None:
                 del b.forward
             else:
@@ -133,7 +142,7 @@ def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
 
         return record
 
-    with _forwards(trunk.blocks, make):
+    with _forwards(trunk.blocks, make, hooks=False):
         try:
             step()
         except _TrunkExit:
@@ -164,7 +173,7 @@ def substitute(trunk: Trunk, step: Callable[[], Any], trunk_output: Any) -> Any:
 
         return passthrough
 
-    with _forwards(trunk.blocks, make):
+    with _forwards(trunk.blocks, make, hooks=False):
         return step()
 
 

@@ -45,8 +45,8 @@ from torch.optim import Optimizer
 from lightning_parallel import _collectives
 from lightning_parallel.tensor_parallel import local
 
-Sharding = Literal["none", "optimizer"]
-SHARDINGS: tuple[str, ...] = ("none", "optimizer")
+Sharding = Literal["none", "optimizer", "full"]
+SHARDINGS: tuple[str, ...] = ("none", "optimizer", "full")
 
 #: torch optimizers whose update of an element depends on that element's parameter, gradient and state only
 ELEMENTWISE = tuple(
@@ -59,15 +59,15 @@ def check_sharding(value: str) -> None:
     if value not in SHARDINGS:
         raise ValueError(
             f"data_parallel_sharding={value!r}; choose one of {SHARDINGS} ('optimizer': optimizer state and"
-            " reduced gradients split over the data-parallel ranks)"
+            " reduced gradients split over the data-parallel ranks; 'full': parameters too)"
         )
 
 
-def check_optimizer(optimizer: Optimizer) -> None:
+def check_optimizer(optimizer: Optimizer, mode: str = "optimizer") -> None:
     inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
     if not isinstance(inner, ELEMENTWISE):
         raise ValueError(
-            f"data_parallel_sharding='optimizer' updates each data-parallel rank's chunk of every parameter on its"
+            f"data_parallel_sharding={mode!r} updates each data-parallel rank's chunk of every parameter on its"
             f" own, which gives the optimizer's result only for element-wise optimizers"
             f" ({', '.join(c.__name__ for c in ELEMENTWISE)}); {type(inner).__name__} is not one of them: use"
             " data_parallel_sharding='none'"

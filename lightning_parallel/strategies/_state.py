@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Trainer
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
@@ -43,8 +43,10 @@ class StateMixin:
     def _in_memory(self, name: str, value: Any, like: Tensor) -> Any:
         """A tensor read from a checkpoint (whole, original order) placed like the parameter ``like``."""
         if isinstance(like, DTensor) and isinstance(value, Tensor) and value.shape == like.shape:
-            assert self._tp_layout is not None
-            return self._tp_layout.shard(name, value, like)
+            if self._tp_layout is not None:
+                return self._tp_layout.shard(name, value, like)
+            value = value.to(device=like.device, dtype=like.dtype)  # a shard of full data parallelism (FSDP's)
+            return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
         return value
 
     # ------------------------------------------------------------------------------- save
@@ -148,6 +150,7 @@ class StateMixin:
             if p.is_meta:
                 continue
             value = layout.to_full(name, p.detach()) if layout is not None else p.detach()
+            value = value.full_tensor() if isinstance(value, DTensor) else value  # FSDP's shards
             out[name] = value.cpu().clone()
         return out
 

@@ -78,10 +78,12 @@ class TensorParallelMixin:
         norm_type = float(norm_type)
         if norm_type <= 0:
             raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
-        if any(shards.open for shards in getattr(self, "_shards", {}).values()):
+        if any(shards.open for shards in getattr(self, "_shards", {}).values()) or getattr(
+            self, "_fully_sharded", False
+        ):
             raise RuntimeError(
-                "grad_norm() under data_parallel_sharding='optimizer' is not supported: in on_before_optimizer_step"
-                " each rank holds only its chunk of every gradient"
+                f"grad_norm() under data_parallel_sharding={self._dp_sharding!r} is not supported: in"  # type: ignore[attr-defined]
+                " on_before_optimizer_step each rank holds only its chunk of every gradient"
             )
         lm = self.lightning_module  # type: ignore[attr-defined]
         assert lm is not None

@@ -61,6 +61,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     """
 
     strategy_name = "helix"
+    _cuts_blocks = True
     strategy_description = "lightning-parallel: HelixPipe attention-parallel pipeline (arXiv 2507.00394)"
 
     def __init__(

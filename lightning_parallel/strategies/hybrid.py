@@ -55,6 +55,7 @@ from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_si
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
 from lightning_parallel.strategies import _failures, _partial, _sharding
+from lightning_parallel.strategies._full_shard import check_full, fully_shard_model, is_fully_sharded
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, drop_parameters, replace_parameters
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
@@ -103,9 +104,12 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             for blocks whose attention runs a custom kernel.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"fork"``/``"spawn"``
             start ranks with multiprocessing.
-        data_parallel_sharding: ``"none"`` (every replica holds the optimizer state) or ``"optimizer"``
+        data_parallel_sharding: ``"none"`` (every replica holds the optimizer state), ``"optimizer"``
             (ZeRO-1/2: optimizer state and reduced gradients split over the dp ranks, parameters whole; see
-            :mod:`lightning_parallel.strategies._sharding`).
+            :mod:`lightning_parallel.strategies._sharding`) or ``"full"`` (ZeRO-3 by torch's FSDP2: parameters
+            too, gathered per block around its forward and backward, gradients reduce-scattered during the
+            backward; not with tensor or sequence parallelism or helix; see
+            :mod:`lightning_parallel.strategies._full_shard`).
         save_distributed_checkpoint: ``True``: a checkpoint is a ``torch.distributed.checkpoint`` directory (one
             shard per rank, resumable under any layout); ``False``: one plain Lightning ``.ckpt`` file written by
             rank 0 (what ``python -m lightning_parallel.export`` makes of a directory; loadable without this
@@ -176,6 +180,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
         self._materialized: list[Any] = []  # deferred tensors created at set-up, checked when the loop starts
+        self._fsdp_root: list[torch.nn.Module] = []  # data_parallel_sharding="full": the units' root, once applied
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
         self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
         self._recompute = dict(
@@ -270,6 +275,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self._dims = None
         dims = self.parallel_dims
         self._refuse_unused(dims)
+        if self._dp_sharding == "full" and dims.dp > 1:
+            check_full(self.strategy_name, dims.tp, dims.sp, self._cuts_blocks)
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -334,20 +341,23 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self.precision_plugin.convert_module(self.model)
         self._parallelize(lm)
         self._sync_module_states(self.model)
+        if self._fully_sharded and not self._fsdp_root:  # after the broadcast above: it would overwrite the shards
+            self._fsdp_root = fully_shard_model(lm, self._held_blocks(lm), self._mesh[DP])
         for metric in MetricStepper(lm, False).metrics.values():
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.device.type == "meta"})
-            if self._sharded:
+            if self._sharded or self._fully_sharded:
                 if getattr(self.precision_plugin, "precision", None) == "16-mixed":
                     raise ValueError(
-                        "precision='16-mixed' with data_parallel_sharding='optimizer' is not supported: each rank's"
+                        f"precision='16-mixed' with data_parallel_sharding={self._dp_sharding!r} is not supported:"
+                        " each rank's"
                         " loss scaler would see only its chunk of the gradients and skip steps on its own; use"
                         " precision='bf16-mixed' or '32-true'"
                     )
                 for opt in self.optimizers:
-                    _sharding.check_optimizer(opt)
+                    _sharding.check_optimizer(opt, self._dp_sharding)
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -461,7 +471,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         dims = self.parallel_dims
         for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
             if size > 1:
-                tensors = [local(t.data) for t in held if axis != TP or not isinstance(t, DTensor)]
+                # a DTensor is a shard along tp, and along dp under full sharding (FSDP's)
+                sharded_along = axis == TP or (axis == DP and self._fully_sharded)
+                tensors = [local(t.data) for t in held if not (sharded_along and isinstance(t, DTensor))]
                 _collectives.broadcast_(tensors, self._mesh.get_group(axis))
         if dims.pp > 1:
             _collectives.broadcast_([local(t.data) for t in self._shared_over_pp(module)], self.pp_group)
@@ -527,12 +539,33 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             return
         if self._sharded:
             self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
+        elif self._fully_sharded:  # FSDP2 averaged its shards during the backward; what it does not hold, here
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            _collectives.all_reduce_mean_([p.grad for p in params if not is_fully_sharded(p)], group)
         else:
             _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
 
     @property
     def _sharded(self) -> bool:
         return self._dp_sharding == "optimizer" and self.parallel_dims.dp > 1
+
+    @property
+    def _fully_sharded(self) -> bool:
+        return self._dp_sharding == "full" and self.parallel_dims.dp > 1
+
+    #: whether the runtime calls parts of blocks rather than whole blocks (helix): FSDP2 cannot shard them
+    _cuts_blocks = False
+
+    def _held_blocks(self, lm: LightningModule) -> list[torch.nn.Module]:
+        """The trunk blocks this rank holds (none where the model has no trunk)."""
+        if self._blocks is not None:
+            trunk = self._blocks.trunk
+        else:
+            try:
+                trunk = discover_trunk(lm, self._trunk_path)
+            except ValueError:
+                return []
+        return [b for b in trunk.blocks if not any(p.is_meta for p in b.parameters())]
 
     def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
         if id(optimizer) not in self._shards:
@@ -545,7 +578,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
     @override
     def _norm_groups(self) -> list[Any]:
         # inside a sharded step's window each rank holds its chunk of every gradient: the norm sums over dp too
-        in_window = any(shards.open for shards in self._shards.values())
+        in_window = any(shards.open for shards in self._shards.values()) or self._fully_sharded
         return [*super()._norm_groups(), *([self.dp_group] if in_window else [])]
 
     @override
@@ -553,6 +586,8 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         # inside a sharded window the norm sums over dp: a 0-dim parameter, whole on every rank, counts once
         if self.coordinate[DP] != 0 and any(s.open and s.is_whole(p) for s in self._shards.values()):
             return False
+        if self._fully_sharded and not is_fully_sharded(p) and self.coordinate[DP] != 0:
+            return False  # FSDP's shards count on every dp rank, what it does not hold on dp rank 0
         return super()._counts_in_norm(p)
 
     @override

@@ -103,7 +103,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self._loss_reduction, self._check_batches = loss_reduction, check_batches
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
-        self._replicated: list[nn.Parameter] = []
+        self._replicated_names: set[str] = set()
         self._steps_done = 0
 
     # --------------------------------------------------------------------------------- layout
@@ -207,9 +207,21 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self._report_placement(trunk.path, self._placement, parameter_bytes(lm))
 
     def _find_replicated(self, lm: Any, trunk: Trunk) -> None:
-        """The pre/post-trunk parameters (every stage holds them), once they are materialised."""
+        """The pre/post-trunk parameters (every stage holds them), by name: sharding replaces the objects."""
         in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
-        self._replicated = [p for p in lm.parameters() if id(p) not in in_blocks]
+        named = lm.named_parameters(remove_duplicate=False)
+        self._replicated_names = {n for n, p in named if id(p) not in in_blocks}
+
+    @property
+    def _replicated(self) -> list[nn.Parameter]:
+        """The pre/post-trunk parameters as the module holds them now (a tied pair once)."""
+        lm, seen = self.lightning_module, set()
+        out = []
+        for n, p in lm.named_parameters(remove_duplicate=False) if lm is not None else []:
+            if n in self._replicated_names and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
 
     def _report_placement(self, path: str, placement: list[range], nbytes: int) -> None:
         table = _collectives.all_gather_object((self.global_rank, self.stage, nbytes))

@@ -33,6 +33,14 @@ LAYOUTS = {
         4,
         2,
     ),
+    "dp2full": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2, 2),
+    "pp2dp2full": (
+        lambda: PipelineParallelStrategy(
+            pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, data_parallel_sharding="full"
+        ),
+        4,
+        2,
+    ),
     "pp2": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
     "pp4": (lambda: PipelineParallelStrategy(pipeline_parallel_size=4, num_microbatches=4), 4, 1),
     "helix2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, 1),
@@ -54,7 +62,7 @@ class StateAtStart(L.Callback):
         strategy = trainer.strategy
         gather = getattr(strategy, "gather_named_parameters", None)
         layout = getattr(strategy, "_tp_layout", None)
-        whole = (lambda n, v: layout.to_full(n, v)) if layout is not None else (lambda n, v: v)  # noqa: E731
+        whole = (lambda n, v: layout.to_full(n, v)) if layout is not None else _full_tensor  # noqa: E731
         named = {id(p): n for n, p in pl_module.named_parameters()}
         state = {
             named[id(p)]: {
@@ -69,6 +77,13 @@ class StateAtStart(L.Callback):
             self.params = {k: v.cpu() for k, v in gather().items()}
         else:
             self.params = {k: v.detach().cpu().clone() for k, v in pl_module.named_parameters()}
+
+
+def _full_tensor(name, value):
+    """A full-sharding (FSDP) DTensor gathered whole; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _whole_state(strategy, optimizer) -> dict:
@@ -143,6 +158,8 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
         ("dp2", "gpt"),
         ("dp2zero", "gpt"),
         ("dp2tp2zero", "gpt"),
+        ("dp2full", "gpt"),
+        ("pp2dp2full", "gpt"),
         ("pp2", "gpt+sched"),
     ],
 )
@@ -185,6 +202,9 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         ("pp2", "dp2"),
         ("dp2zero", "tp2"),
         ("pp2", "dp2zero"),
+        ("dp2full", "pp2"),
+        ("pp2", "dp2full"),
+        ("dp2zero", "pp2dp2full"),
         ("pp2", "auto"),  # Lightning's own strategy resumes from the directory (lightning_parallel._loading)
     ],  # fmt: skip
 )

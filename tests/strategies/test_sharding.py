@@ -77,8 +77,102 @@ def test_each_rank_holds_about_half_the_optimizer_state():
 
 
 def test_unknown_sharding_is_refused():
-    with pytest.raises(ValueError, match=r"data_parallel_sharding='full'.*\('none', 'optimizer'\)"):
-        HybridParallelStrategy(data_parallel_sharding="full")
+    with pytest.raises(ValueError, match=r"data_parallel_sharding='zero3'.*\('none', 'optimizer', 'full'\)"):
+        HybridParallelStrategy(data_parallel_sharding="zero3")
+
+
+# ------------------------------------------------------------------------------ full sharding (FSDP2)
+
+
+def _full(**kwargs):
+    return lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full", **kwargs)
+
+
+def _full_pp(**kwargs):
+    def make():
+        return PipelineParallelStrategy(
+            data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=4, data_parallel_sharding="full", **kwargs
+        )
+
+    return make
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+def test_dp2_fully_sharded_parity_with_accumulation_and_clipping(model):
+    assert_parity(model, _full(), 2, data_parallel_size=2, steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05)
+
+
+def test_dp2_fully_sharded_float32_sgd_parity():
+    assert_parity("gpt", _full(), 2, data_parallel_size=2, dtype="float32")
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_dp2_x_pp2_fully_sharded_parity(model):
+    """The tied embedding and head of the GPT are one unit, held by both stages; the Llama's are separate."""
+    assert_parity(model, _full_pp(), 4, data_parallel_size=2, gradient_clip_val=0.05)
+
+
+@pytest.mark.slow
+def test_fully_sharded_with_recomputation_interleaving_and_deferred_init():
+    assert_parity("gpt", _full(recompute="selective"), 2, data_parallel_size=2)
+    assert_parity("llama", _full_pp(recompute="full"), 4, data_parallel_size=2)
+    assert_parity("gpt", _full_pp(schedule="interleaved_1f1b"), 4, data_parallel_size=2, gradient_clip_val=0.05)
+    assert_parity("gpt-empty-init", _full_pp(), 4, data_parallel_size=2)
+
+
+def test_a_deferred_model_is_fully_sharded_with_parity():
+    assert_parity("gpt-deferred", _full(), 2, data_parallel_size=2)
+
+
+def _held_bytes(rank: int, world: int, sharding: str) -> tuple[int, int, int, int]:
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    module, data = build("gpt", 4, "adamw")
+    sizes = {}
+
+    class Measure(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            params = list({id(p): p for p in pl_module.parameters()}.values())
+            sizes["params"] = sum(local(p).numel() for p in params)
+            sizes["grads"] = sum(local(p.grad).numel() for p in params if p.grad is not None)
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False, callbacks=[Measure()],
+        strategy=HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding=sharding),
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    total = sum(p.numel() for p in build("gpt", 4, "adamw")[0].parameters())
+    return sizes["params"], sizes["grads"], sum(local(v).numel() for v in state), total
+
+
+def test_full_sharding_halves_parameters_gradients_and_optimizer_state():
+    ranks = run_distributed(_held_bytes, 2, "full", init_process_group=False)
+    total = ranks[0][3]
+    assert sum(params for params, _, _, _ in ranks) == total  # every element on exactly one rank
+    for params, grads, state, _ in ranks:
+        assert params <= 0.51 * total, (params, total)  # dim-0 shards of every tensor (uneven where odd)
+        assert grads == params and state == 2 * params  # AdamW: exp_avg and exp_avg_sq
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="full"),
+         r"tensor_parallel_size=2 already makes .* use data_parallel_sharding='optimizer'"),
+        (lambda: HybridParallelStrategy(data_parallel_size=2, sequence_parallel_size=2, data_parallel_sharding="full"),
+         r"sequence_parallel_size=2 verifies each block on a copy"),
+        (lambda: HelixParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_sharding="full"),
+         r"'helix' is not supported: helix runs each block cut"),
+    ],
+)  # fmt: skip
+def test_full_sharding_refuses_what_it_cannot_compose_with(make, message):
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(accelerator="cpu", devices=4, strategy=make(), logger=False)
 
 
 def _fit_with(rank: int, world: int, make_optimizer) -> None:

@@ -1,0 +1,112 @@
+"""``data_parallel_sharding="full"``: parameters, gradients and optimizer state split over the dp ranks
+(ZeRO stage 3 of Rajbhandari et al., 2020, arXiv 1910.02054), by torch's FSDP2 ``fully_shard`` (Zhao et
+al., 2023, "PyTorch FSDP", arXiv 2304.11277).
+
+Units, each a ``fully_shard`` call on the dp mesh (every parameter is cut in dim 0 over the dp ranks):
+
+- every trunk block this rank runs. Its parameters are all-gathered when it is called, freed after its
+  forward, gathered again when its backward starts, and its gradients are reduce-scattered (averaged
+  over dp) as soon as that backward is done, while autograd goes on with the earlier blocks: the
+  reduction overlaps the backward;
+- every module outside the trunk that holds parameters itself (the embeddings, the norms, the head);
+  modules that share a parameter (a tied embedding and head) form one unit;
+- a root that only ties the units together (a module holding them, owning nothing). Lightning
+  never calls the LightningModule's ``forward``, and FSDP2 would make the first unit called its root,
+  so the root is initialised at set-up; every unit then gathers on its own call. A parameter the
+  LightningModule owns directly stays whole on every rank and is averaged at the step as without
+  sharding.
+
+Between FSDP2 and the rest of the strategy: the pipeline's capture and substitution passes call the
+blocks as recorders, so the blocks' module hooks are suspended there (``capture._forwards``); the
+global gradient norm sums over the dp group (each rank holds a slice of every gradient). A module's
+parameter used without calling that module (``x @ self.wte.weight.T``) is a slice at that moment;
+torch raises a mixed ``DTensor`` error, it never computes on the slice.
+
+Refused: tensor and sequence parallelism and helix (their blocks' parameters are already DTensors, are
+verified on a deep copy, which FSDP2's modules refuse, or are cut at the attention call, where FSDP2's
+hooks need whole module calls); ``data_parallel_sharding="optimizer"`` composes with all three.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def fully_shard_model(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> list[nn.Module]:
+    """Apply ``fully_shard`` to ``blocks`` and to the modules of ``module`` outside them that hold
+    parameters, tie them under an initialised root; return the root (keep a reference)."""
+    from torch.distributed.fsdp import fully_shard
+
+    inside = {id(m) for b in blocks for m in b.modules()}
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units: list[list[nn.Module]] = []
+    unit_of: dict[int, int] = {}  # parameter -> index of the unit holding it
+    for m in module.modules():
+        if m is module or id(m) in inside:
+            continue
+        own = [p for p in m.parameters(recurse=False) if not p.is_meta]
+        if not own:
+            continue
+        if any(id(p) in in_blocks for p in own):
+            raise ValueError(
+                f"{type(m).__name__} outside the trunk shares a parameter with a trunk block; data_parallel_sharding="
+                "'full' needs each parameter in one unit; use data_parallel_sharding='optimizer'"
+            )
+        hits = sorted({unit_of[id(p)] for p in own if id(p) in unit_of})
+        if hits:  # tied to an earlier unit: merge every unit it touches into the first
+            first = hits[0]
+            for other in reversed(hits[1:]):
+                units[first] += units[other]
+                units[other] = []
+            units[first].append(m)
+        else:
+            first = len(units)
+            units.append([m])
+        for u in units[first]:
+            for p in u.parameters(recurse=False):
+                unit_of[id(p)] = first
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    for unit in (u for u in units if u):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
+    root = _Root([*blocks, *(m for u in units for m in u)])
+    fully_shard(root, mesh=mesh)
+    root._get_fsdp_state()._lazy_init()  # type: ignore[operator]
+    return [root]
+
+
+class _Root(nn.Module):
+    """The units under one FSDP2 root; never called (each unit gathers on its own call)."""
+
+    def __init__(self, units: list[nn.Module]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(units)
+
+    def forward(self) -> None:
+        raise RuntimeError("the full-sharding root is never called")
+
+
+def check_full(strategy_name: str, tp: int, sp: int, helix: bool) -> None:
+    """Refuse the layouts ``"full"`` does not compose with, naming the alternative."""
+    reason = None
+    if helix:
+        reason = "helix runs each block cut at its attention call, so FSDP's per-module gathering never fires"
+    elif tp > 1:
+        reason = f"tensor_parallel_size={tp} already makes the block parameters DTensors"
+    elif sp > 1:
+        reason = f"sequence_parallel_size={sp} verifies each block on a copy, and FSDP's modules cannot be copied"
+    if reason:
+        raise ValueError(
+            f"data_parallel_sharding='full' with {strategy_name!r} is not supported: {reason}; use"
+            " data_parallel_sharding='optimizer' (optimizer state and gradients sharded, parameters whole)"
+        )
+
+
+def is_fully_sharded(p: Any) -> bool:
+    """A parameter FSDP2 manages (a DTensor sharded over the dp mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
