@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.mesh import PP, Size, check_size
-from lightning_parallel.pipeline import gradients
+from lightning_parallel.pipeline import gradients, outer
 from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
@@ -49,13 +49,14 @@ from lightning_parallel.strategies._logging import (
     restore_metrics,
     snapshot_metrics,
 )
+from lightning_parallel.strategies._stage_local import StageLocalMixin
 from lightning_parallel.strategies.hybrid import SIGTERM_EXIT_CODE, HybridParallelStrategy
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
 
-class PipelineParallelStrategy(HybridParallelStrategy):
+class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     """Pipeline parallelism over ``pipeline_parallel_size`` stages (x ``data_parallel_size`` replicas).
 
     Args:
@@ -104,6 +105,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
         self._replicated_names: set[str] = set()
+        self._init_stage_local()
         self._steps_done = 0
 
     # --------------------------------------------------------------------------------- layout
@@ -243,6 +245,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         micro, shares = split_microbatches(batch, self.num_microbatches)
         if 0.0 in shares:
             _check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
+        if not self._outer_decided:  # the first step: which stages need the pre/post-trunk parameters
+            self._place_outer(lambda: lm.training_step(micro[0], *rest, **kwargs), _loss_of)
         accumulate = lm.trainer.accumulate_grad_batches
         weights = [(s if self._loss_reduction == "mean" else float(s > 0)) / accumulate for s in shares]
         params = [p for p in lm.parameters() if p.device.type != "meta"]
@@ -265,7 +269,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             return step
 
         self._metrics.before_step()
-        with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths():
+        freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
+        with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
             results = runtime.run(
                 self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], _loss_of, weights
             )
@@ -313,15 +318,53 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         """Sum replicated (pre/post-trunk) gradients over the pipeline group, then average over dp."""
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._place_gradients(optimizer)  # a vocabulary-parallel gradient may still be a partial sum here
-        gradients.sum_replicated_([p for p in self._replicated if id(p) in in_opt], self.pp_group)
+        self._sum_outer_gradients([p for p in self._replicated if id(p) in in_opt])
         super().sync_gradients(optimizer)
 
     @override
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
-        """Replicated pre/post-trunk parameters are counted on stage 0 only."""
-        return super()._counts_in_norm(p) and (self.stage == 0 or all(p is not q for q in self._replicated))
+        """A pre/post-trunk parameter is counted on the first stage that holds it."""
+        here = self._counts_outer_here(p)
+        return super()._counts_in_norm(p) and (here is None or here)
 
     # ----------------------------------------------------------------------------- evaluation
+    @override
+    def _shared_over_pp(self, module: nn.Module) -> list[Tensor]:
+        # what every stage holds: not the pre/post-trunk parameters placed on some stages only
+        local = {n for n, h in self._outer_holders.items() if len(h) < self.parallel_dims.pp}
+        skip = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in local}
+        return [t for t in super()._shared_over_pp(module) if id(t) not in skip]
+
+    @override
+    def on_validation_start(self) -> None:
+        self._gather_outer()  # lock-step: every stage runs the pre- and post-trunk code
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._free_outer()
+        super().on_validation_end()
+
+    @override
+    def on_test_start(self) -> None:
+        self._gather_outer()
+        super().on_test_start()
+
+    @override
+    def on_test_end(self) -> None:
+        self._free_outer()
+        super().on_test_end()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._gather_outer()
+        super().on_predict_start()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._free_outer()
+        super().on_predict_end()
+
     def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         assert self.runtime is not None
         base = getattr(super(), hook)

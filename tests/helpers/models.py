@@ -126,6 +126,36 @@ class CheckpointedLlama(Llama):
             layer.__class__ = _CheckpointedDecoderLayer
 
 
+class SkipHeadLlama(Llama):
+    """The head also sees the token embedding (a skip around the trunk): the loss depends on a pre-trunk
+    value after the trunk, so the loss stage must hold the embedding too."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = emb = self.embed_tokens(idx)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h) + emb)
+
+
+class LearnedRopeLlama(Llama):
+    """A learned scale of the rotary angle, outside the trunk, passed into every block: a block argument
+    computed from a parameter (every stage needs its value)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rope_scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        cos, sin = self.rope_cos[:T] * self.rope_scale, self.rope_sin[:T] * self.rope_scale
+        h = self.embed_tokens(idx)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h))
+
+
 class SumLossGPT(GPT):
     """A GPT whose loss is summed over tokens (``loss_reduction="sum"`` under pipelining)."""
 

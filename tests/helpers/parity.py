@@ -128,11 +128,16 @@ def build(
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         kw = dict(MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"])
         return DeferredGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kw), data
-    if model in ("llama-ckpt", "gpt-sum"):
-        from tests.helpers.models import CheckpointedLlama, SumLossGPT
+    if model in ("llama-ckpt", "gpt-sum", "llama-skip", "llama-learned-rope"):
+        from tests.helpers import models
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
-        cls, base = (CheckpointedLlama, "llama") if model == "llama-ckpt" else (SumLossGPT, "gpt")
+        cls, base = {
+            "llama-ckpt": (models.CheckpointedLlama, "llama"),
+            "gpt-sum": (models.SumLossGPT, "gpt"),
+            "llama-skip": (models.SkipHeadLlama, "llama"),
+            "llama-learned-rope": (models.LearnedRopeLlama, "llama"),
+        }[model]
         return cls(
             vocab_size=data.vocab_size,
             block_size=SEQ_LEN,
