@@ -68,15 +68,29 @@ class Materialized:
 
     def unset(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
+        from torch.distributed.tensor import DTensor
+
         for qualified, module, attr, tensor, version in self.entries:
             current = module._parameters.get(attr, module._buffers.get(attr))
+            floating = tensor.is_floating_point() or tensor.is_complex()
+            if isinstance(current, DTensor):  # sharded since (tensor parallelism, FSDP): the fill's NaN survive
+                if floating and bool(torch.isnan(current.to_local().detach()).any()):
+                    prefix = qualified.rpartition(".")[0]
+                    out.setdefault(f"{prefix or '<root>'} ({_class_name(module)})", []).append(attr)
+                continue
             if current is not tensor:  # replaced by its module (e.g. a reset that assigns a new Parameter)
                 continue
-            floating = tensor.is_floating_point() or tensor.is_complex()
             if tensor._version == version or (floating and bool(torch.isnan(tensor.detach()).any())):
                 prefix = qualified.rpartition(".")[0]
-                out.setdefault(f"{prefix or '<root>'} ({type(module).__name__})", []).append(attr)
+                out.setdefault(f"{prefix or '<root>'} ({_class_name(module)})", []).append(attr)
         return out
+
+
+def _class_name(module: nn.Module) -> str:
+    """The user's class of ``module`` (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def materialize_(root: nn.Module, device: torch.device, seed: int, skip: Iterable[nn.Module] = ()) -> Materialized:

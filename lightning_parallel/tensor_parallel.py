@@ -343,9 +343,12 @@ def shard_vocabulary(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMes
         else:
             style = ColwiseParallel(output_layouts=Replicate())
         style.src_data_rank = None  # every rank holds the same full weight: slice locally
+        tied = sharded.get(weight)
+        if tied is not None:  # the second module of a tied pair: no second shard of the full weight
+            del m._parameters["weight"]
         parallelize_module(m, mesh, style)
-        if weight in sharded:  # tied: the second module takes the first one's sharded parameter
-            m.register_parameter("weight", sharded[weight])
+        if tied is not None:
+            m.register_parameter("weight", tied)
         else:
             sharded[weight] = m.weight
         names.append(name)

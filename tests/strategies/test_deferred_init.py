@@ -24,6 +24,7 @@ LAYOUTS = {
     "helix p=2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
     "tensor_parallel tp=2": (lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=1), 2, 1),
     "hybrid dp=2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
+    "hybrid dp=2 full": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2, 2),
 }
 
 
@@ -152,6 +153,47 @@ def test_deferred_llama_refused_on_every_rank_naming_the_rope_tables():
     messages = run_distributed(_deferred_llama, 2, "tensor_parallel tp=2", init_process_group=False)
     assert messages[0] == messages[1]
     assert "<root> (Llama): rope_cos, rope_sin" in messages[0] and "reset_parameters()" in messages[0]
+
+
+class _Gain(nn.Module):
+    """A parameter with no ``reset_parameters()``: deferred, nothing initialises it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _deferred_gain(r: int, world: int, strategy: str) -> str:
+    from tests.helpers.parity import build
+
+    module, data = build("gpt-deferred", 4, "adamw")
+    build_model = module._build
+
+    def with_gain() -> None:
+        build_model()
+        module.gain = _Gain(module.hparams.n_embd)  # on meta too: configure_model builds under torch.device("meta")
+
+    module._build = with_gain
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=LAYOUTS[strategy][0](), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(module, datamodule=data)
+    except ConfigurationError as err:
+        return str(err)
+    return "trained"
+
+
+def test_an_uninitialised_parameter_is_refused_after_full_sharding():
+    """Full sharding replaces the materialised parameters by FSDP's DTensor shards; their NaN fill is still
+    found, on every rank."""
+    messages = run_distributed(_deferred_gain, 2, "hybrid dp=2 full", init_process_group=False)
+    assert messages[0] == messages[1]
+    assert "gain (_Gain): weight" in messages[0], messages[0]
 
 
 def test_deferred_llama_refused_under_pipeline_never_a_hang():
