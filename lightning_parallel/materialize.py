@@ -27,6 +27,7 @@ in ``__init__``) ran on meta and has no effect; give such modules a ``reset_para
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -61,26 +62,29 @@ def _direct(module: nn.Module) -> Iterable[tuple[str, Tensor, bool]]:
 
 @dataclass
 class Materialized:
-    """What :func:`materialize_` created: ``(qualified name, module, attribute, tensor, version after the
-    fill)`` per tensor; :meth:`unset` finds those that nothing has written since (no reset, no restore)."""
+    """What :func:`materialize_` created: ``(qualified name, module, attribute, weak reference to the tensor,
+    its version after the fill)`` per tensor; :meth:`unset` finds those that nothing has written since (no
+    reset, no restore). The references are weak: a tensor replaced by its shard (tensor parallelism, full
+    sharding) is freed at once, not kept until the check."""
 
-    entries: list[tuple[str, nn.Module, str, Tensor, int]] = field(default_factory=list)
+    entries: list[tuple[str, nn.Module, str, Any, int]] = field(default_factory=list)
 
     def unset(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
         from torch.distributed.tensor import DTensor
 
-        for qualified, module, attr, tensor, version in self.entries:
+        out: dict[str, list[str]] = {}
+        for qualified, module, attr, ref, version in self.entries:
             current = module._parameters.get(attr, module._buffers.get(attr))
-            floating = tensor.is_floating_point() or tensor.is_complex()
-            if isinstance(current, DTensor):  # sharded since (tensor parallelism, FSDP): the fill's NaN survive
-                if floating and bool(torch.isnan(current.to_local().detach()).any()):
-                    prefix = qualified.rpartition(".")[0]
-                    out.setdefault(f"{prefix or '<root>'} ({_class_name(module)})", []).append(attr)
+            tensor = ref()
+            if isinstance(current, DTensor):  # sharded since: the fill's NaN survive in the shards
+                local = current.to_local()
+                unset = (local.is_floating_point() or local.is_complex()) and bool(torch.isnan(local.detach()).any())
+            elif tensor is None or current is not tensor:  # replaced by its module (a reset assigning a new one)
                 continue
-            if current is not tensor:  # replaced by its module (e.g. a reset that assigns a new Parameter)
-                continue
-            if tensor._version == version or (floating and bool(torch.isnan(tensor.detach()).any())):
+            else:
+                floating = tensor.is_floating_point() or tensor.is_complex()
+                unset = tensor._version == version or (floating and bool(torch.isnan(tensor.detach()).any()))
+            if unset:
                 prefix = qualified.rpartition(".")[0]
                 out.setdefault(f"{prefix or '<root>'} ({_class_name(module)})", []).append(attr)
         return out
@@ -93,11 +97,19 @@ def _class_name(module: nn.Module) -> str:
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
-def materialize_(root: nn.Module, device: torch.device, seed: int, skip: Iterable[nn.Module] = ()) -> Materialized:
-    """Materialise and initialise the meta tensors of ``root`` outside the modules in ``skip``; returns what
-    was created, for :func:`check_set` once any checkpoint has been restored."""
+def materialize_(
+    root: nn.Module,
+    device: torch.device,
+    seed: int,
+    skip: Iterable[nn.Module] = (),
+    only: Optional[Iterable[nn.Module]] = None,
+) -> Materialized:
+    """Materialise and initialise the meta tensors of ``root`` outside the modules in ``skip`` (and, with
+    ``only``, inside those modules: one piece at a time, same values); returns what was created, for
+    :func:`check_set` once any checkpoint has been restored."""
     skipped = {id(m) for s in skip for m in s.modules()}
-    held = [(n, m) for n, m in root.named_modules() if id(m) not in skipped]
+    inside = None if only is None else {id(m) for s in only for m in s.modules()}
+    held = [(n, m) for n, m in root.named_modules() if id(m) not in skipped and (inside is None or id(m) in inside)]
     fresh: dict[int, Tensor] = {}
     owners: list[tuple[str, nn.Module]] = []
     record = Materialized()
@@ -112,7 +124,8 @@ def materialize_(root: nn.Module, device: torch.device, seed: int, skip: Iterabl
                         data.fill_(float("nan"))
                     new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
                     fresh[id(t)] = new
-                    record.entries.append((f"{prefix}.{name}" if prefix else name, module, name, new, new._version))
+                    qualified = f"{prefix}.{name}" if prefix else name
+                    record.entries.append((qualified, module, name, weakref.ref(new), new._version))
                 (module._parameters if is_param else module._buffers)[name] = new
                 owns = True
         if owns:

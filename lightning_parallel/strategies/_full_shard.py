@@ -29,25 +29,34 @@ hooks need whole module calls); ``data_parallel_sharding="optimizer"`` composes 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-def fully_shard_model(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh) -> list[nn.Module]:
+def fully_shard_model(
+    module: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    before: Optional[Callable[[list[nn.Module]], None]] = None,
+    exclude: list[nn.Module] = (),  # type: ignore[assignment]
+) -> list[nn.Module]:
     """Apply ``fully_shard`` to ``blocks`` and to the modules of ``module`` outside them that hold
-    parameters, tie them under an initialised root; return the root (keep a reference)."""
+    parameters, tie them under an initialised root; return the root (keep a reference). ``before(unit)``
+    runs just before a unit is sharded: deferred initialisation materialises it there, so a rank holds its
+    shards plus one unit whole, never the whole model. ``exclude``: modules another stage holds (freed)."""
     from torch.distributed.fsdp import fully_shard
 
-    inside = {id(m) for b in blocks for m in b.modules()}
+    inside = {id(m) for b in [*blocks, *exclude] for m in b.modules()}
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     units: list[list[nn.Module]] = []
     unit_of: dict[int, int] = {}  # parameter -> index of the unit holding it
     for m in module.modules():
         if m is module or id(m) in inside:
             continue
-        own = [p for p in m.parameters(recurse=False) if not p.is_meta]
+        own = list(m.parameters(recurse=False))
         if not own:
             continue
         if any(id(p) in in_blocks for p in own):
@@ -68,9 +77,9 @@ def fully_shard_model(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMe
         for u in units[first]:
             for p in u.parameters(recurse=False):
                 unit_of[id(p)] = first
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    for unit in (u for u in units if u):
+    for unit in [*([b] for b in blocks), *(u for u in units if u)]:
+        if before is not None:
+            before(unit)
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
     root = _Root([*blocks, *(m for u in units for m in u)])
     fully_shard(root, mesh=mesh)

@@ -342,7 +342,9 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self._parallelize(lm)
         self._sync_module_states(self.model)
         if self._fully_sharded and not self._fsdp_root:  # after the broadcast above: it would overwrite the shards
-            self._fsdp_root = fully_shard_model(lm, self._held_blocks(lm), self._mesh[DP])
+            held = self._held_blocks(lm)
+            freed = [b for b in (self._blocks.trunk.blocks if self._blocks else []) if b not in held]
+            self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed)
         for metric in MetricStepper(lm, False).metrics.values():
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
@@ -375,7 +377,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         config = self._block_config()
         if not (config.needs_anatomy or config.recompute != "none" or self._needs_trunk()):
             self.model_to_device()
-            self._materialize(lm, [])
+            self._materialize(lm, [], None)
             return  # data parallelism alone: the model needs no trunk
         # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
         first = self._blocks is None
@@ -384,7 +386,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         local, freed = self._place_stages(lm, trunk)
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
-            self._materialize(lm, freed)
+            self._materialize(lm, freed, trunk)
             if config.tp_mesh is not None:  # before _placed: the pipeline records the pre/post-trunk parameters
                 sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
@@ -392,13 +394,25 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
             self._blocks = layer.install(local)
 
-    def _materialize(self, lm: LightningModule, freed: list[torch.nn.Module]) -> None:
+    def _materialize(self, lm: LightningModule, freed: list[torch.nn.Module], trunk: Optional[Trunk]) -> None:
         """Deferred initialisation (:mod:`lightning_parallel.materialize`) of what this rank holds, seeded by
         rank 0's seed; whether every tensor got a value is checked when training or evaluation starts (after
-        Lightning has restored any checkpoint). A failure on any rank is raised on every rank."""
+        Lightning has restored any checkpoint). A failure on any rank is raised on every rank. Under full
+        sharding a deferred model is materialised and sharded one unit at a time (a block, an embedding)."""
         message = None
+        seed = self._seed()
         try:
-            self._materialized.append(materialize_(lm, self.root_device, self._seed(), skip=freed))
+            meta = any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
+            if self._fully_sharded and meta and not self._fsdp_root:
+                gone = {id(b) for b in freed}
+                held = [b for b in self._held_blocks(lm, trunk or self._trunk_or_none(lm)) if id(b) not in gone]
+
+                def materialize_unit(unit: list[torch.nn.Module]) -> None:
+                    self._materialized.append(materialize_(lm, self.root_device, seed, only=unit))
+
+                mesh = self._mesh[DP]
+                self._fsdp_root = fully_shard_model(lm, held, mesh, before=materialize_unit, exclude=freed)
+            self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed))
         except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
             message = f"deferred initialisation failed: {type(err).__name__}: {err}"
         self._raise_on_every_rank(message)
@@ -556,16 +570,19 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
     #: whether the runtime calls parts of blocks rather than whole blocks (helix): FSDP2 cannot shard them
     _cuts_blocks = False
 
-    def _held_blocks(self, lm: LightningModule) -> list[torch.nn.Module]:
-        """The trunk blocks this rank holds (none where the model has no trunk)."""
-        if self._blocks is not None:
-            trunk = self._blocks.trunk
-        else:
-            try:
-                trunk = discover_trunk(lm, self._trunk_path)
-            except ValueError:
-                return []
-        return [b for b in trunk.blocks if not any(p.is_meta for p in b.parameters())]
+    def _held_blocks(self, lm: LightningModule, trunk: Optional[Trunk] = None) -> list[torch.nn.Module]:
+        """The trunk blocks this rank holds (with ``trunk``: every block not freed, deferred ones included;
+        none where the model has no trunk)."""
+        if trunk is not None:
+            return list(trunk.blocks)
+        trunk = self._blocks.trunk if self._blocks is not None else self._trunk_or_none(lm)
+        return [b for b in trunk.blocks if not any(p.is_meta for p in b.parameters())] if trunk else []
+
+    def _trunk_or_none(self, lm: LightningModule) -> Optional[Trunk]:
+        try:
+            return discover_trunk(lm, self._trunk_path)
+        except ValueError:
+            return None
 
     def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
         if id(optimizer) not in self._shards:
