@@ -299,7 +299,8 @@ def shard_vocabulary(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMes
     """Vocabulary parallelism outside the trunk (Megatron-LM's vocabulary-parallel embedding; Shoeybi et al.,
     arXiv 1909.08053, section 3): the token embedding and the LM head hold 1/tp of the vocabulary each.
 
-    The vocabulary is the row count of the largest ``nn.Embedding`` outside ``blocks``. That embedding is
+    The vocabulary is the row count of the token embedding: the largest ``nn.Embedding`` outside ``blocks``
+    with an ``nn.Linear`` head of that output width outside them (or the largest, where none has one). That embedding is
     sharded row-wise (``RowwiseParallel``: each rank looks up the ids it holds, zeros elsewhere, one
     all-reduce); every ``nn.Linear`` outside ``blocks`` whose output width is the vocabulary is sharded
     column-wise with its logits all-gathered (``ColwiseParallel(output_layouts=Replicate())``), so the
@@ -313,7 +314,9 @@ def shard_vocabulary(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMes
     embeddings = [m for _, m in outer if isinstance(m, nn.Embedding) and not m.weight.is_meta]
     if not embeddings:
         return []
-    vocab = max(m.num_embeddings for m in embeddings)
+    heads = {m.out_features for _, m in outer if isinstance(m, nn.Linear)}
+    tokens = [m for m in embeddings if m.num_embeddings in heads] or embeddings  # with a head of its width, if any
+    vocab = max(m.num_embeddings for m in tokens)
     if vocab < mesh.size():
         return []
     chosen = [
@@ -342,7 +345,7 @@ def shard_vocabulary(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMes
             style: Any = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         else:
             style = ColwiseParallel(output_layouts=Replicate())
-        style.src_data_rank = None  # every rank holds the same full weight: slice locally
+        style.src_data_rank = 0  # tp rank 0's values (ranks that initialised differently), one scatter
         tied = sharded.get(weight)
         if tied is not None:  # the second module of a tied pair: no second shard of the full weight
             del m._parameters["weight"]

@@ -53,12 +53,18 @@ def fully_shard_model(
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     units: list[list[nn.Module]] = []
     unit_of: dict[int, int] = {}  # parameter -> index of the unit holding it
-    for m in module.modules():
+    root_owned = {id(p) for p in module.parameters(recurse=False)}
+    for m in reversed(list(module.modules())):  # children before parents: a parent unit takes what is left
         if m is module or id(m) in inside:
             continue
         own = list(m.parameters(recurse=False))
         if not own:
             continue
+        if any(id(p) in root_owned for p in own):
+            raise ValueError(
+                f"{type(m).__name__} shares a parameter with {type(module).__name__} itself; data_parallel_sharding="
+                "'full' needs each parameter in one unit; use data_parallel_sharding='optimizer'"
+            )
         if any(id(p) in in_blocks for p in own):
             raise ValueError(
                 f"{type(m).__name__} outside the trunk shares a parameter with a trunk block; data_parallel_sharding="

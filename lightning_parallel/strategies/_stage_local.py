@@ -18,7 +18,6 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.families import no_fast_paths
@@ -51,10 +50,10 @@ class StageLocalMixin:
         self._outer_decided = True
         lm, runtime = self.lightning_module, self.runtime  # type: ignore[attr-defined]
         named = lm.named_parameters(remove_duplicate=False)
-        watched = {
+        watched = {  # plain parameters only: DTensors are sharded otherwise, subclasses may carry state
             n: p
             for n, p in named
-            if n in self._replicated_names and not p.is_meta and not isinstance(p, DTensor)  # type: ignore[attr-defined]
+            if n in self._replicated_names and not p.is_meta and type(p) is nn.Parameter  # type: ignore[attr-defined]
         }
         if self.parallel_dims.pp == 1 or not watched:  # type: ignore[attr-defined]
             return
@@ -65,8 +64,8 @@ class StageLocalMixin:
             with torch.random.fork_rng(), recording(lm, LogRecorder()), no_fast_paths():
                 with self.precision_plugin.train_step_context():  # type: ignore[attr-defined]
                     cap = runtime.capture_step(step)
-                    pre, post = outer.touched(runtime.trunk, step, loss_of, watched, cap, runtime.output_like)
-            decision: Any = (sorted(pre), sorted(post), cap.needs_grad)
+                    found = outer.touched(runtime.trunk, step, watched, cap.trunk_input, runtime.output_like)
+            decision: Any = tuple(sorted(names) for names in found)
         except Exception as err:  # noqa: BLE001  (every rank agrees below, then raises or keeps everything)
             decision, message = None, f"{type(err).__name__}: {err}"
         finally:
@@ -76,17 +75,20 @@ class StageLocalMixin:
         if decision is None:
             rank_zero_info(f"pre/post-trunk parameters stay on every stage (the probe failed: {message})")
             return
-        pre, post, needs_grad = set(decision[0]), set(decision[1]), decision[2]
-        if needs_grad:
+        pre, post, arguments = set(decision[0]), set(decision[1]), decision[2]
+        if arguments:
             rank_zero_info(
-                "pre/post-trunk parameters stay on every stage: a block argument requires grad, so it may be"
-                " computed from them"
+                f"pre/post-trunk parameters stay on every stage: the blocks' arguments are computed from {arguments}"
             )
             return
-        by_param: dict[int, set[int]] = {}
-        for n, p in watched.items():
-            stages = ({self.first_stage} if n in pre else set()) | ({self.loss_stage} if n in post else set())  # type: ignore[attr-defined]
-            by_param.setdefault(id(p), set()).update(stages or {self.loss_stage})  # type: ignore[attr-defined]
+        # by parameter, not by name: a tied pair has two names, and the probe reports one of them
+        pre_ids, post_ids = {id(watched[n]) for n in pre}, {id(watched[n]) for n in post}
+        first, last, everywhere = self.first_stage, self.loss_stage, range(self.parallel_dims.pp)  # type: ignore[attr-defined]
+        by_param = {
+            id(p): ({first} if id(p) in pre_ids else set()) | ({last} if id(p) in post_ids else set())
+            or set(everywhere)
+            for p in watched.values()
+        }
         self._outer_holders = {n: frozenset(by_param[id(p)]) for n, p in watched.items()}
         freed = {id(p): p for n, p in watched.items() if self.stage not in self._outer_holders[n]}  # type: ignore[attr-defined]
         self._freed_outer = list(freed.values())
@@ -108,11 +110,14 @@ class StageLocalMixin:
         shared = {self.first_stage, self.loss_stage}  # type: ignore[attr-defined]
         both = [p for p in params if len(shared) == 2 < pp and self._holders(name_of[id(p)]) == shared]
         if both:
-            for p in both:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
             other = self.loss_stage if self.stage == self.first_stage else self.first_stage  # type: ignore[attr-defined]
-            outer.exchange_sum_([local(p.grad) for p in both], self.stage_rank(other), self.pp_group)  # type: ignore[attr-defined]
+            peer, group = self.stage_rank(other), self.pp_group  # type: ignore[attr-defined]
+            mine = torch.tensor([p.grad is not None for p in both], dtype=torch.uint8, device=both[0].device)
+            used = (mine | outer.exchange_(mine, peer, group)).tolist()  # None stays None where neither used it
+            for p, u in zip(both, used):
+                if u and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            outer.exchange_sum_([local(p.grad) for p, u in zip(both, used) if u], peer, group)
 
     def _outer_names(self) -> dict[int, str]:
         """id -> name of the pre/post-trunk parameters as the module holds them now (cached until they change)."""

@@ -82,6 +82,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             plan of a hand-written adapter or of the Hugging Face metadata, or shards the block for its own
             forward (which must then be shape-agnostic; verification checks it). Default: the anatomy's plan
             (derived from the traced graph where no adapter or metadata has one).
+        vocabulary_parallel: under tensor parallelism, shard the token embedding and the heads of the
+            vocabulary's width by vocabulary rows (:func:`lightning_parallel.tensor_parallel.shard_vocabulary`);
+            ``False`` keeps them whole (needed where the step uses their weights outside their modules, e.g.
+            ``x @ self.wte.weight.T``).
         tp_sequence_parallel: Megatron-style sequence parallelism between the tensor-parallel regions: norms,
             residuals and dropout on 1/tp of the sequence per rank (the sequence length must divide by tp).
         sequence_parallel_size: split every block's sequence over this many ranks (context parallelism;
@@ -125,6 +129,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         tensor_parallel_size: Size = 1,
         tp_plan: Optional[dict[str, str]] = None,
         tp_sequence_parallel: bool = False,
+        vocabulary_parallel: bool = True,
         sequence_parallel_size: Size = 1,
         sequence_parallel_mode: Optional[Literal["ulysses", "ring"]] = None,
         adapter: Optional[Any] = None,
@@ -158,6 +163,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self._given = {  # arguments that only mean something with another one: checked once the sizes are known
             "tp_plan": tp_plan is not None,
             "tp_sequence_parallel": bool(tp_sequence_parallel),
+            "vocabulary_parallel": not vocabulary_parallel,
             "sequence_parallel_mode": sequence_parallel_mode is not None,
             "data_parallel_sharding": data_parallel_sharding != "none",
         }
@@ -177,6 +183,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             )
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
         self._save_distributed = save_distributed_checkpoint
+        self._vocabulary_parallel = vocabulary_parallel
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
         self._materialized: list[Any] = []  # deferred tensors created at set-up, checked when the loop starts
@@ -288,6 +295,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         needs = {
             "tp_plan": ("tensor_parallel_size", dims.tp),
             "tp_sequence_parallel": ("tensor_parallel_size", dims.tp),
+            "vocabulary_parallel": ("tensor_parallel_size", dims.tp),
             "sequence_parallel_mode": ("sequence_parallel_size", dims.sp),
             "data_parallel_sharding": ("data_parallel_size", dims.dp),
         }
@@ -387,7 +395,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
             self._materialize(lm, freed, trunk)
-            if config.tp_mesh is not None:  # before _placed: the pipeline records the pre/post-trunk parameters
+            if config.tp_mesh is not None and self._vocabulary_parallel:
                 sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
             self._placed(lm, trunk)
@@ -408,7 +416,10 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
                 held = [b for b in self._held_blocks(lm, trunk or self._trunk_or_none(lm)) if id(b) not in gone]
 
                 def materialize_unit(unit: list[torch.nn.Module]) -> None:
+                    eager = [t for m in unit for t in [*m.parameters(), *m.buffers()] if not t.is_meta]
                     self._materialized.append(materialize_(lm, self.root_device, seed, only=unit))
+                    # built eagerly: rank 0's values, before the shards are cut (the set-up broadcast skips them)
+                    _collectives.broadcast_([t.data for t in eager], self.dp_group)
 
                 mesh = self._mesh[DP]
                 self._fsdp_root = fully_shard_model(lm, held, mesh, before=materialize_unit, exclude=freed)
@@ -518,6 +529,36 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
 
     # ---------------------------------------------------------------- training
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explain_sharded_use():
+            return super().training_step(*args, **kwargs)
+
+    @contextmanager
+    def _explain_sharded_use(self) -> Any:
+        """torch's "mixed torch.Tensor and DTensor" error, when the step used a parameter this strategy shards
+        outside its module's call, becomes an error that names the argument that fixes it."""
+        try:
+            yield
+        except RuntimeError as err:
+            hints = []
+            if self._fully_sharded:
+                hints.append(
+                    "data_parallel_sharding='full' gathers a module's parameters only around that module's own"
+                    " call; use data_parallel_sharding='optimizer'"
+                )
+            if self.parallel_dims.tp > 1 and self._vocabulary_parallel:
+                hints.append(
+                    "vocabulary_parallel=True shards the embedding and the head; pass vocabulary_parallel=False"
+                )
+            if "mixed torch.Tensor and DTensor" not in str(err) or not hints:
+                raise
+            raise ConfigurationError(
+                "the step used a sharded parameter outside its module's forward (e.g. x @ self.wte.weight.T): "
+                + "; or ".join(hints)
+                + f" (torch: {str(err).splitlines()[0]})"
+            ) from err
+
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -554,8 +595,12 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         if self._sharded:
             self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
         elif self._fully_sharded:  # FSDP2 averaged its shards during the backward; what it does not hold, here
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            _collectives.all_reduce_mean_([p.grad for p in params if not is_fully_sharded(p)], group)
+            whole = [p for g in optimizer.param_groups for p in g["params"] if not is_fully_sharded(p)]
+            used = _collectives.any_over_group([p.grad is not None for p in whole], group)
+            for p, u in zip(whole, used):
+                if u and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            _collectives.all_reduce_mean_([p.grad for p, u in zip(whole, used) if u], group)
         else:
             _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
 

@@ -271,9 +271,10 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         self._metrics.before_step()
         freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
         with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
-            results = runtime.run(
-                self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], _loss_of, weights
-            )
+            with self._explain_sharded_use():
+                results = runtime.run(
+                    self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], _loss_of, weights
+                )
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
         return self._finish_step(results, recorder, shares)
 

@@ -127,8 +127,8 @@ class CheckpointedLlama(Llama):
 
 
 class SkipHeadLlama(Llama):
-    """The head also sees the token embedding (a skip around the trunk): the loss depends on a pre-trunk
-    value after the trunk, so the loss stage must hold the embedding too."""
+    """The head also sees the token embedding, detached (a skip around the trunk that carries no gradient):
+    the loss depends on a pre-trunk value after the trunk, so the loss stage must hold the embedding too."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.size(1)
@@ -136,16 +136,16 @@ class SkipHeadLlama(Llama):
         h = emb = self.embed_tokens(idx)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.lm_head(self.norm(h) + emb)
+        return self.lm_head(self.norm(h) + emb.detach())
 
 
 class LearnedRopeLlama(Llama):
-    """A learned scale of the rotary angle, outside the trunk, passed into every block: a block argument
-    computed from a parameter (every stage needs its value)."""
+    """A frozen scale of the rotary tables, a parameter outside the trunk, in every block's arguments: a
+    block argument computed from a parameter, without gradient (every stage needs its value)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.rope_scale = nn.Parameter(torch.ones(()))
+        self.rope_scale = nn.Parameter(torch.ones(()), requires_grad=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.size(1)
@@ -154,6 +154,19 @@ class LearnedRopeLlama(Llama):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.lm_head(self.norm(h))
+
+
+class DirectHeadGPT(GPT):
+    """The tied head computed from the embedding's weight directly (``F.linear(x, wte.weight)``), not by
+    calling a module: a sharded weight is then used outside its module's forward."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return F.linear(self.transformer.ln_f(x), self.transformer.wte.weight)
 
 
 class SumLossGPT(GPT):

@@ -128,7 +128,7 @@ def build(
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         kw = dict(MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"])
         return DeferredGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kw), data
-    if model in ("llama-ckpt", "gpt-sum", "llama-skip", "llama-learned-rope"):
+    if model in ("llama-ckpt", "gpt-sum", "llama-skip", "llama-learned-rope", "gpt-direct-head"):
         from tests.helpers import models
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
@@ -137,6 +137,7 @@ def build(
             "gpt-sum": (models.SumLossGPT, "gpt"),
             "llama-skip": (models.SkipHeadLlama, "llama"),
             "llama-learned-rope": (models.LearnedRopeLlama, "llama"),
+            "gpt-direct-head": (models.DirectHeadGPT, "gpt"),
         }[model]
         return cls(
             vocab_size=data.vocab_size,

@@ -98,6 +98,26 @@ def test_an_embedding_with_padding_idx_stays_whole():
         assert r["lm_head.weight"][1][0] < full[0]  # the untied head is still vocabulary-parallel
 
 
+def _direct_head(rank, world_size, **kwargs):
+    from lightning_parallel.anatomy.base import ConfigurationError
+
+    module, data = build("gpt-direct-head", 8, "sgd")
+    try:
+        quick_fit(module, data, HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, **kwargs), 2)
+    except ConfigurationError as err:
+        return str(err)
+    return "trained"
+
+
+def test_a_weight_used_outside_its_module_names_vocabulary_parallel_false():
+    """``F.linear(x, wte.weight)`` meets a vocabulary shard: the error names the argument that fixes it,
+    and with it the model trains with parity."""
+    messages = run_distributed(_direct_head, 2, init_process_group=False)
+    assert all("pass vocabulary_parallel=False" in m and "outside its module's forward" in m for m in messages)
+    make = lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, vocabulary_parallel=False)  # noqa: E731
+    assert_parity("gpt-direct-head", make, 2, data_parallel_size=1)
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
 def test_tp2_with_sequence_parallelism_matches_one_device(model):
     assert_parity(model, _tp(tp_sequence_parallel=True), 2, data_parallel_size=1, gradient_clip_val=0.05)
