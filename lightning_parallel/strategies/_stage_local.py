@@ -61,10 +61,13 @@ class StageLocalMixin:
         saved = snapshot_metrics(metrics)
         message = None
         try:
-            with torch.random.fork_rng(), recording(lm, LogRecorder()), no_fast_paths():
+            # no graph: the probe needs values only, and a live graph would pin the parameters (swap_tensors
+            # refuses a tensor an AccumulateGrad node still holds)
+            with torch.random.fork_rng(), recording(lm, LogRecorder()), no_fast_paths(), torch.no_grad():
                 with self.precision_plugin.train_step_context():  # type: ignore[attr-defined]
-                    cap = runtime.capture_step(step)
-                    found = outer.touched(runtime.trunk, step, watched, cap.trunk_input, runtime.output_like)
+                    trunk_input = runtime.capture_step(step).trunk_input
+                    found = outer.touched(runtime.trunk, step, watched, trunk_input, runtime.output_like)
+                    del trunk_input
             decision: Any = tuple(sorted(names) for names in found)
         except Exception as err:  # noqa: BLE001  (every rank agrees below, then raises or keeps everything)
             decision, message = None, f"{type(err).__name__}: {err}"
