@@ -15,6 +15,7 @@ layout and, with gradient accumulation, runs once per optimizer step rather than
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -55,7 +56,8 @@ from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_si
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
 from lightning_parallel.strategies import _failures, _partial, _sharding
-from lightning_parallel.strategies._full_shard import check_full, fully_shard_model, is_fully_sharded
+from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
+from lightning_parallel.strategies._full_shard import check_full
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, drop_parameters, replace_parameters
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
@@ -71,7 +73,9 @@ log = logging.getLogger(__name__)
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
-class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMixin, ParallelStrategy):
+class HybridParallelStrategy(
+    DataParallelShardingMixin, StateMixin, TensorParallelMixin, SequenceParallelMixin, ParallelStrategy
+):
     """Data and tensor parallelism over a named ``(dp, pp, sp, tp)`` mesh; the base of the other strategies.
 
     Args:
@@ -337,6 +341,12 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
             _failures.mark_raised(peers, self.global_rank)
         if isinstance(exception, SIGTERMException):  # a SystemExit with no code: Lightning's jobs would exit 0
             exception.code = SIGTERM_EXIT_CODE
+            if self.world_size > 1:  # leave now, as the pipeline does: an interpreter exit with the process
+                # group's threads alive sometimes ends in std::terminate (exit -6 instead of 143)
+                sys.stderr.write(f"[rank {self.global_rank}] stopped by SIGTERM (exit code {SIGTERM_EXIT_CODE})\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+                os._exit(SIGTERM_EXIT_CODE)
         super().on_exception(exception)
 
     @override
@@ -349,10 +359,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         self.precision_plugin.convert_module(self.model)
         self._parallelize(lm)
         self._sync_module_states(self.model)
-        if self._fully_sharded and not self._fsdp_root:  # after the broadcast above: it would overwrite the shards
-            held = self._held_blocks(lm)
-            freed = [b for b in (self._blocks.trunk.blocks if self._blocks else []) if b not in held]
-            self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed)
+        self._fully_shard_built(lm)  # after the broadcast above: it would overwrite the shards
         for metric in MetricStepper(lm, False).metrics.values():
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
@@ -410,19 +417,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         message = None
         seed = self._seed()
         try:
-            meta = any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
-            if self._fully_sharded and meta and not self._fsdp_root:
-                gone = {id(b) for b in freed}
-                held = [b for b in self._held_blocks(lm, trunk or self._trunk_or_none(lm)) if id(b) not in gone]
-
-                def materialize_unit(unit: list[torch.nn.Module]) -> None:
-                    eager = [t for m in unit for t in [*m.parameters(), *m.buffers()] if not t.is_meta]
-                    self._materialized.append(materialize_(lm, self.root_device, seed, only=unit))
-                    # built eagerly: rank 0's values, before the shards are cut (the set-up broadcast skips them)
-                    _collectives.broadcast_([t.data for t in eager], self.dp_group)
-
-                mesh = self._mesh[DP]
-                self._fsdp_root = fully_shard_model(lm, held, mesh, before=materialize_unit, exclude=freed)
+            self._fully_shard_deferred(lm, freed, trunk, seed)
             self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed))
         except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
             message = f"deferred initialisation failed: {type(err).__name__}: {err}"
@@ -533,31 +528,6 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         with self._explain_sharded_use():
             return super().training_step(*args, **kwargs)
 
-    @contextmanager
-    def _explain_sharded_use(self) -> Any:
-        """torch's "mixed torch.Tensor and DTensor" error, when the step used a parameter this strategy shards
-        outside its module's call, becomes an error that names the argument that fixes it."""
-        try:
-            yield
-        except RuntimeError as err:
-            hints = []
-            if self._fully_sharded:
-                hints.append(
-                    "data_parallel_sharding='full' gathers a module's parameters only around that module's own"
-                    " call; use data_parallel_sharding='optimizer'"
-                )
-            if self.parallel_dims.tp > 1 and self._vocabulary_parallel:
-                hints.append(
-                    "vocabulary_parallel=True shards the embedding and the head; pass vocabulary_parallel=False"
-                )
-            if "mixed torch.Tensor and DTensor" not in str(err) or not hints:
-                raise
-            raise ConfigurationError(
-                "the step used a sharded parameter outside its module's forward (e.g. x @ self.wte.weight.T): "
-                + "; or ".join(hints)
-                + f" (torch: {str(err).splitlines()[0]})"
-            ) from err
-
     @override
     def optimizer_step(
         self,
@@ -592,83 +562,7 @@ class HybridParallelStrategy(StateMixin, TensorParallelMixin, SequenceParallelMi
         group, dp = self.dp_group, self.parallel_dims.dp
         if group is None or dp == 1:
             return
-        if self._sharded:
-            self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
-        elif self._fully_sharded:  # FSDP2 averaged its shards during the backward; what it does not hold, here
-            whole = [p for g in optimizer.param_groups for p in g["params"] if not is_fully_sharded(p)]
-            used = _collectives.any_over_group([p.grad is not None for p in whole], group)
-            for p, u in zip(whole, used):
-                if u and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            _collectives.all_reduce_mean_([p.grad for p, u in zip(whole, used) if u], group)
-        else:
-            _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
-
-    @property
-    def _sharded(self) -> bool:
-        return self._dp_sharding == "optimizer" and self.parallel_dims.dp > 1
-
-    @property
-    def _fully_sharded(self) -> bool:
-        return self._dp_sharding == "full" and self.parallel_dims.dp > 1
-
-    #: whether the runtime calls parts of blocks rather than whole blocks (helix): FSDP2 cannot shard them
-    _cuts_blocks = False
-
-    def _held_blocks(self, lm: LightningModule, trunk: Optional[Trunk] = None) -> list[torch.nn.Module]:
-        """The trunk blocks this rank holds (with ``trunk``: every block not freed, deferred ones included;
-        none where the model has no trunk)."""
-        if trunk is not None:
-            return list(trunk.blocks)
-        trunk = self._blocks.trunk if self._blocks is not None else self._trunk_or_none(lm)
-        return [b for b in trunk.blocks if not any(p.is_meta for p in b.parameters())] if trunk else []
-
-    def _trunk_or_none(self, lm: LightningModule) -> Optional[Trunk]:
-        try:
-            return discover_trunk(lm, self._trunk_path)
-        except ValueError:
-            return None
-
-    def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
-        if id(optimizer) not in self._shards:
-            dims = self.parallel_dims
-            self._shards[id(optimizer)] = _sharding.ShardedOptimizer(
-                optimizer, self.dp_group, self.coordinate[DP], dims.dp
-            )
-        return self._shards[id(optimizer)]
-
-    @override
-    def _norm_groups(self) -> list[Any]:
-        # inside a sharded step's window each rank holds its chunk of every gradient: the norm sums over dp too
-        in_window = any(shards.open for shards in self._shards.values()) or self._fully_sharded
-        return [*super()._norm_groups(), *([self.dp_group] if in_window else [])]
-
-    @override
-    def _counts_in_norm(self, p: torch.nn.Parameter) -> bool:
-        # inside a sharded window the norm sums over dp: a 0-dim parameter, whole on every rank, counts once
-        if self.coordinate[DP] != 0 and any(s.open and s.is_whole(p) for s in self._shards.values()):
-            return False
-        if self._fully_sharded and not is_fully_sharded(p) and self.coordinate[DP] != 0:
-            return False  # FSDP's shards count on every dp rank, what it does not hold on dp rank 0
-        return super()._counts_in_norm(p)
-
-    @override
-    def _original(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
-        for shards in self._shards.values():
-            p = shards.original(p)
-        return p
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not self._sharded:
-            return super().optimizer_state(optimizer)
-        shards, inner = self._shards_of(optimizer), getattr(optimizer, "optimizer", optimizer)
-        chunks = inner.state
-        inner.state = shards.gathered_state()  # whole, by parameter: the checkpoint moves between layouts
-        try:
-            return super().optimizer_state(optimizer)
-        finally:
-            inner.state = chunks
+        self._average_over_dp(optimizer, group)
 
     # -------------------------------------------------------------- collectives
     @override

@@ -1,0 +1,178 @@
+"""Sharded data parallelism inside the strategies: which mode is on, the dp average of the gradients, the
+full-sharding (FSDP2) units at set-up, the global norm's counting, checkpointed optimizer state, and the
+error for a sharded weight used outside its module. The mechanisms themselves are
+:mod:`lightning_parallel.strategies._sharding` (``"optimizer"``) and
+:mod:`lightning_parallel.strategies._full_shard` (``"full"``)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel import _collectives
+from lightning_parallel.anatomy.base import ConfigurationError
+from lightning_parallel.materialize import materialize_
+from lightning_parallel.mesh import DP
+from lightning_parallel.strategies import _sharding
+from lightning_parallel.strategies._full_shard import fully_shard_model, is_fully_sharded
+from lightning_parallel.trunk import Trunk, discover_trunk
+
+
+class DataParallelShardingMixin:
+    """Mixed into ``HybridParallelStrategy`` ahead of the state and tensor-parallel mixins (its overrides
+    call theirs)."""
+
+    # the strategy's (annotations only: nothing here shadows its properties)
+    _dp_sharding: str
+    _fsdp_root: list[torch.nn.Module]
+    _shards: dict[int, _sharding.ShardedOptimizer]
+    _reduced: dict[int, dict[int, Any]]
+    _materialized: list[Any]
+    _blocks: Any
+    _mesh: Any
+    _trunk_path: Optional[str]
+    _vocabulary_parallel: bool
+    parallel_dims: Any
+    coordinate: dict[str, int]
+    dp_group: Any
+    root_device: torch.device
+
+    def _average_over_dp(self, optimizer: Optimizer, group: Any) -> None:
+        """The dp average of this optimizer's gradients: reduce-scattered chunks (``"optimizer"``), what FSDP
+        does not hold (``"full"``: FSDP2 averaged its shards during the backward), or every gradient."""
+        if self._sharded:
+            self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
+        elif self._fully_sharded:
+            whole = [p for g in optimizer.param_groups for p in g["params"] if not is_fully_sharded(p)]
+            used = _collectives.any_over_group([p.grad is not None for p in whole], group)
+            for p, u in zip(whole, used):
+                if u and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            _collectives.all_reduce_mean_([p.grad for p, u in zip(whole, used) if u], group)
+        else:
+            _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
+
+    def _fully_shard_deferred(
+        self, lm: LightningModule, freed: list[torch.nn.Module], trunk: Optional[Trunk], seed: int
+    ) -> None:
+        """Full sharding of a deferred model: materialise and shard one unit at a time, so a rank never holds
+        more than its shards and one unit whole (a unit's eagerly built tensors take rank 0's values first)."""
+        meta = any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
+        if not (self._fully_sharded and meta and not self._fsdp_root):
+            return
+        gone = {id(b) for b in freed}
+        held = [b for b in self._held_blocks(lm, trunk or self._trunk_or_none(lm)) if id(b) not in gone]
+        device = self.root_device
+
+        def materialize_unit(unit: list[torch.nn.Module]) -> None:
+            eager = [t for m in unit for t in [*m.parameters(), *m.buffers()] if not t.is_meta]
+            self._materialized.append(materialize_(lm, device, seed, only=unit))
+            _collectives.broadcast_([t.data for t in eager], self.dp_group)
+
+        mesh = self._mesh[DP]
+        self._fsdp_root = fully_shard_model(lm, held, mesh, before=materialize_unit, exclude=freed)
+
+    def _fully_shard_built(self, lm: LightningModule) -> None:
+        """Full sharding of a model built eagerly (after the set-up broadcast, which must see whole tensors)."""
+        if not self._fully_sharded or self._fsdp_root:
+            return
+        held = self._held_blocks(lm)
+        blocks = self._blocks.trunk.blocks if self._blocks is not None else []
+        freed = [b for b in blocks if b not in held]
+        self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed)
+
+    @contextmanager
+    def _explain_sharded_use(self) -> Any:
+        """torch's "mixed torch.Tensor and DTensor" error, when the step used a parameter this strategy shards
+        outside its module's call, becomes an error that names the argument that fixes it."""
+        try:
+            yield
+        except RuntimeError as err:
+            hints = []
+            if self._fully_sharded:
+                hints.append(
+                    "data_parallel_sharding='full' gathers a module's parameters only around that module's own"
+                    " call; use data_parallel_sharding='optimizer'"
+                )
+            if self.parallel_dims.tp > 1 and self._vocabulary_parallel:
+                hints.append(
+                    "vocabulary_parallel=True shards the embedding and the head; pass vocabulary_parallel=False"
+                )
+            if "mixed torch.Tensor and DTensor" not in str(err) or not hints:
+                raise
+            raise ConfigurationError(
+                "the step used a sharded parameter outside its module's forward (e.g. x @ self.wte.weight.T): "
+                + "; or ".join(hints)
+                + f" (torch: {str(err).splitlines()[0]})"
+            ) from err
+
+    @property
+    def _sharded(self) -> bool:
+        return self._dp_sharding == "optimizer" and self.parallel_dims.dp > 1
+
+    @property
+    def _fully_sharded(self) -> bool:
+        return self._dp_sharding == "full" and self.parallel_dims.dp > 1
+
+    #: whether the runtime calls parts of blocks rather than whole blocks (helix): FSDP2 cannot shard them
+    _cuts_blocks = False
+
+    def _held_blocks(self, lm: LightningModule, trunk: Optional[Trunk] = None) -> list[torch.nn.Module]:
+        """The trunk blocks this rank holds (with ``trunk``: every block not freed, deferred ones included;
+        none where the model has no trunk)."""
+        if trunk is not None:
+            return list(trunk.blocks)
+        trunk = self._blocks.trunk if self._blocks is not None else self._trunk_or_none(lm)
+        return [b for b in trunk.blocks if not any(p.is_meta for p in b.parameters())] if trunk else []
+
+    def _trunk_or_none(self, lm: LightningModule) -> Optional[Trunk]:
+        try:
+            return discover_trunk(lm, self._trunk_path)
+        except ValueError:
+            return None
+
+    def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
+        if id(optimizer) not in self._shards:
+            dims = self.parallel_dims
+            self._shards[id(optimizer)] = _sharding.ShardedOptimizer(
+                optimizer, self.dp_group, self.coordinate[DP], dims.dp
+            )
+        return self._shards[id(optimizer)]
+
+    @override
+    def _norm_groups(self) -> list[Any]:
+        # inside a sharded step's window each rank holds its chunk of every gradient: the norm sums over dp too
+        in_window = any(shards.open for shards in self._shards.values()) or self._fully_sharded
+        return [*super()._norm_groups(), *([self.dp_group] if in_window else [])]
+
+    @override
+    def _counts_in_norm(self, p: torch.nn.Parameter) -> bool:
+        # inside a sharded window the norm sums over dp: a 0-dim parameter, whole on every rank, counts once
+        if self.coordinate[DP] != 0 and any(s.open and s.is_whole(p) for s in self._shards.values()):
+            return False
+        if self._fully_sharded and not is_fully_sharded(p) and self.coordinate[DP] != 0:
+            return False  # FSDP's shards count on every dp rank, what it does not hold on dp rank 0
+        return super()._counts_in_norm(p)
+
+    @override
+    def _original(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        for shards in self._shards.values():
+            p = shards.original(p)
+        return p
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._sharded:
+            return super().optimizer_state(optimizer)
+        shards, inner = self._shards_of(optimizer), getattr(optimizer, "optimizer", optimizer)
+        chunks = inner.state
+        inner.state = shards.gathered_state()  # whole, by parameter: the checkpoint moves between layouts
+        try:
+            return super().optimizer_state(optimizer)
+        finally:
+            inner.state = chunks
