@@ -7,6 +7,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from torch import nn
 
 from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import run_distributed
@@ -236,3 +237,56 @@ def test_optimizers_with_initial_state_and_0_dim_parameters_shard_exactly(optimi
         for k, v in plain.items():
             torch.testing.assert_close(rank[k], v, rtol=1e-12, atol=1e-14, msg=k)
     assert not torch.equal(plain["temperature"], torch.tensor(1.5, dtype=torch.float64))
+
+
+class _Stem(nn.Module):
+    """A module outside the trunk that owns a parameter and has a child that owns one (torchvision's ViT
+    encoder holds ``pos_embedding`` next to its layers): FSDP units are made children first."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.embed(idx) * self.scale
+
+
+class _StemModel(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = _Stem(16, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 16)
+
+    def training_step(self, batch, batch_idx):
+        x = self.stem(batch[0])
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _stem_run(rank: int, world: int, sharding: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 16, (16, 6), generator=g)
+    data = torch.utils.data.TensorDataset(tokens, tokens.roll(1, dims=1))
+    module = _StemModel()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False, precision="64-true",
+        strategy=HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding=sharding),
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
+    return trainer.strategy.full_state_dict()
+
+
+def test_a_module_with_its_own_parameter_and_a_child_s_is_fully_sharded_exactly():
+    plain = run_distributed(_stem_run, 2, "none", init_process_group=False)[0]
+    full = run_distributed(_stem_run, 2, "full", init_process_group=False)[0]
+    assert plain.keys() == full.keys() and "stem.scale" in full
+    for name in plain:
+        torch.testing.assert_close(full[name], plain[name], rtol=1e-9, atol=1e-12, msg=name)
