@@ -428,8 +428,11 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             os._exit(SIGTERM_EXIT_CODE)
         if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
             peers = getattr(self, "_peers", None)
-            line = _failures.dead_peers_line(peers, self.global_rank) if peers else None
-            if line and _failures.is_connection_failure(exception):
+            # only a connection failure can mean a dead peer: looking for one waits up to 10 s, which every rank
+            # of a job that raised the same error (bad input) would otherwise spend
+            connection = peers and _failures.is_connection_failure(exception)
+            line = _failures.dead_peers_line(peers, self.global_rank) if connection else None
+            if line:
                 sys.stderr.write(line)
             else:
                 _failures.mark_raised(peers, self.global_rank)
