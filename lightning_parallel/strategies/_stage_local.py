@@ -45,7 +45,7 @@ class StageLocalMixin:
     def _holders(self, name: str) -> frozenset[int]:
         return self._outer_holders.get(name) or frozenset(range(self.parallel_dims.pp))  # type: ignore[attr-defined]
 
-    def _place_outer(self, step: Any, loss_of: Any) -> None:
+    def _place_outer(self, step: Any) -> None:
         """Decide where each pre/post-trunk parameter lives (the first step; see the module docstring)."""
         self._outer_decided = True
         lm, runtime = self.lightning_module, self.runtime  # type: ignore[attr-defined]

@@ -246,7 +246,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         if 0.0 in shares:
             _check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
         if not self._outer_decided:  # the first step: which stages need the pre/post-trunk parameters
-            self._place_outer(lambda: lm.training_step(micro[0], *rest, **kwargs), _loss_of)
+            self._place_outer(lambda: lm.training_step(micro[0], *rest, **kwargs))
         accumulate = lm.trainer.accumulate_grad_batches
         weights = [(s if self._loss_reduction == "mean" else float(s > 0)) / accumulate for s in shares]
         params = [p for p in lm.parameters() if p.device.type != "meta"]
