@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.memory import _local_bytes, _peak  # noqa: E402  (the same byte and RSS counting)
 
 V, H, N, HEADS, T = 32000, 2048, 16, 16, 64
 LAYOUTS: dict[str, str] = {
@@ -41,23 +42,6 @@ LAYOUTS: dict[str, str] = {
 def parameters() -> int:
     block = 12 * H * H + 13 * H  # qkv + proj + fc + proj with biases, two LayerNorms
     return V * H + T * H + N * block + 2 * H + V * H
-
-
-def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _local_bytes(tensors: Any) -> int:
-    from torch.distributed.tensor import DTensor
-
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or t.is_meta or id(t) in seen:
-            continue
-        seen.add(id(t))
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
 
 
 def rank_main(layout: str, out_dir: str) -> None:

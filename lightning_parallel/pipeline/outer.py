@@ -132,31 +132,3 @@ def placeholders(params: list[nn.Parameter], device: torch.device) -> Iterator[N
         yield
     finally:
         free_(params)
-
-
-def exchange_(flat: Tensor, peer: int, group: Any) -> Tensor:
-    """The peer's (global rank ``peer``) tensor of ``flat``'s shape, ``flat`` sent to it."""
-    import torch.distributed as dist
-
-    theirs = torch.empty_like(flat)
-    ops = [dist.P2POp(dist.isend, flat, peer, group), dist.P2POp(dist.irecv, theirs, peer, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return theirs
-
-
-def exchange_sum_(grads: list[Tensor], peer: int, group: Any) -> None:
-    """In place: each of ``grads`` becomes its sum with the peer's (global rank ``peer``) same-shaped tensor;
-    both sides compute ``a + b`` in the same order of operands, so the results are identical."""
-    import torch.distributed as dist
-
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    theirs = exchange_(flat, peer, group)
-    me = dist.get_rank()
-    total = flat + theirs if me < peer else theirs + flat
-    offset = 0
-    for g in grads:
-        g.copy_(total[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()

@@ -116,11 +116,11 @@ class StageLocalMixin:
             other = self.loss_stage if self.stage == self.first_stage else self.first_stage  # type: ignore[attr-defined]
             peer, group = self.stage_rank(other), self.pp_group  # type: ignore[attr-defined]
             mine = torch.tensor([p.grad is not None for p in both], dtype=torch.uint8, device=both[0].device)
-            used = (mine | outer.exchange_(mine, peer, group)).tolist()  # None stays None where neither used it
+            used = (mine | _collectives.exchange(mine, peer, group)).tolist()  # None stays None where neither used it
             for p, u in zip(both, used):
                 if u and p.grad is None:
                     p.grad = torch.zeros_like(p)
-            outer.exchange_sum_([local(p.grad) for p, u in zip(both, used) if u], peer, group)
+            _collectives.exchange_sum_([local(p.grad) for p, u in zip(both, used) if u], peer, group)
 
     def _outer_names(self) -> dict[int, str]:
         """id -> name of the pre/post-trunk parameters as the module holds them now (cached until they change)."""

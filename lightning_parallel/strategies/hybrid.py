@@ -620,18 +620,40 @@ class HybridParallelStrategy(
 
     @override
     def on_validation_start(self) -> None:
-        self._check_materialized()
+        self._evaluation_starts()
         super().on_validation_start()
 
     @override
+    def on_validation_end(self) -> None:
+        self._evaluation_ends()
+        super().on_validation_end()
+
+    @override
     def on_test_start(self) -> None:
-        self._check_materialized()
+        self._evaluation_starts()
         super().on_test_start()
 
     @override
+    def on_test_end(self) -> None:
+        self._evaluation_ends()
+        super().on_test_end()
+
+    @override
     def on_predict_start(self) -> None:
-        self._check_materialized()
+        self._evaluation_starts()
         super().on_predict_start()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._evaluation_ends()
+        super().on_predict_end()
+
+    def _evaluation_starts(self) -> None:
+        """A validation, test or predict loop starts (the pipeline also gathers what evaluation needs)."""
+        self._check_materialized()
+
+    def _evaluation_ends(self) -> None:
+        """A validation, test or predict loop ended."""
 
     @classmethod
     def register(cls) -> None:

@@ -337,34 +337,13 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         return [t for t in super()._shared_over_pp(module) if id(t) not in skip]
 
     @override
-    def on_validation_start(self) -> None:
+    def _evaluation_starts(self) -> None:
+        super()._evaluation_starts()
         self._gather_outer()  # lock-step: every stage runs the pre- and post-trunk code
-        super().on_validation_start()
 
     @override
-    def on_validation_end(self) -> None:
+    def _evaluation_ends(self) -> None:
         self._free_outer()
-        super().on_validation_end()
-
-    @override
-    def on_test_start(self) -> None:
-        self._gather_outer()
-        super().on_test_start()
-
-    @override
-    def on_test_end(self) -> None:
-        self._free_outer()
-        super().on_test_end()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._gather_outer()
-        super().on_predict_start()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._free_outer()
-        super().on_predict_end()
 
     def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         assert self.runtime is not None
