@@ -184,30 +184,6 @@ def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
             t.copy_(reduced)
 
 
-def exchange(flat: Tensor, peer: int, group: ProcessGroup) -> Tensor:
-    """The peer's (global rank ``peer``) tensor of ``flat``'s shape, ``flat`` sent to it."""
-    theirs = torch.empty_like(flat)
-    ops = [dist.P2POp(dist.isend, flat, peer, group), dist.P2POp(dist.irecv, theirs, peer, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return theirs
-
-
-def exchange_sum_(grads: list[Tensor], peer: int, group: ProcessGroup) -> None:
-    """In place: each of ``grads`` becomes its sum with the peer's (global rank ``peer``) same-shaped tensor;
-    both sides compute ``a + b`` in the same order of operands, so the results are identical."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    theirs = exchange(flat, peer, group)
-    me = dist.get_rank()
-    total = flat + theirs if me < peer else theirs + flat
-    offset = 0
-    for g in grads:
-        g.copy_(total[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 @_timed
 def reduce_scatter_sum(flat: Tensor, group: ProcessGroup) -> Tensor:
     """Rank r of ``group`` gets the sum over the group of segment r of ``flat`` (equal segments)."""

@@ -345,8 +345,12 @@ def shard_vocabulary(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMes
             style: Any = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         else:
             style = ColwiseParallel(output_layouts=Replicate())
-        style.src_data_rank = 0  # tp rank 0's values (ranks that initialised differently), one scatter
         tied = sharded.get(weight)
+        # tp rank 0's values (ranks that initialised differently), in place: no scatter buffer of the whole matrix;
+        # then each rank slices its rows locally
+        whole = [t.data for n, t in m.named_parameters(recurse=False) if not (tied is not None and n == "weight")]
+        _collectives.broadcast_(whole, mesh.get_group())
+        style.src_data_rank = None
         if tied is not None:  # the second module of a tied pair: no second shard of the full weight
             del m._parameters["weight"]
         parallelize_module(m, mesh, style)
@@ -370,5 +374,10 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def is_sharded(t: Tensor) -> bool:
-    return isinstance(t, DTensor) and any(not isinstance(p, Replicate) for p in t.placements)
+def is_sharded(t: Tensor, axis: str = "tp") -> bool:
+    """Whether ``t`` is a DTensor cut along the mesh dimension named ``axis`` (a pipeline-sharded parameter
+    outside the trunk is a DTensor too, replicated along tp)."""
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return any(n == axis and not isinstance(p, Replicate) for n, p in zip(names, t.placements))

@@ -75,7 +75,9 @@ class DataParallelShardingMixin:
             _collectives.broadcast_([t.data for t in eager], self.dp_group)
 
         mesh = self._mesh[DP]
-        self._fsdp_root = fully_shard_model(lm, held, mesh, before=materialize_unit, exclude=freed)
+        self._fsdp_root = fully_shard_model(
+            lm, held, mesh, before=materialize_unit, exclude=freed, outer=self.parallel_dims.pp == 1
+        )
 
     def _fully_shard_built(self, lm: LightningModule) -> None:
         """Full sharding of a model built eagerly (after the set-up broadcast, which must see whole tensors)."""
@@ -84,7 +86,7 @@ class DataParallelShardingMixin:
         held = self._held_blocks(lm)
         blocks = self._blocks.trunk.blocks if self._blocks is not None else []
         freed = [b for b in blocks if b not in held]
-        self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed)
+        self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1)
 
     @contextmanager
     def _explain_sharded_use(self) -> Any:

@@ -42,11 +42,14 @@ def fully_shard_model(
     mesh: DeviceMesh,
     before: Optional[Callable[[list[nn.Module]], None]] = None,
     exclude: list[nn.Module] = (),  # type: ignore[assignment]
+    outer: bool = True,
 ) -> list[nn.Module]:
     """Apply ``fully_shard`` to ``blocks`` and to the modules of ``module`` outside them that hold
     parameters, tie them under an initialised root; return the root (keep a reference). ``before(unit)``
     runs just before a unit is sharded: deferred initialisation materialises it there, so a rank holds its
-    shards plus one unit whole, never the whole model. ``exclude``: modules another stage holds (freed)."""
+    shards plus one unit whole, never the whole model. ``exclude``: modules another stage holds (freed).
+    ``outer=False``: no units outside the blocks (under pipeline parallelism the stages shard those
+    themselves, over dp x pp: :mod:`lightning_parallel.strategies._stage_local`)."""
     from torch.distributed.fsdp import fully_shard
 
     inside = {id(m) for b in [*blocks, *exclude] for m in b.modules()}
@@ -55,7 +58,7 @@ def fully_shard_model(
     unit_of: dict[int, int] = {}  # parameter -> index of the unit holding it
     root_owned = {id(p) for p in module.parameters(recurse=False)}
     for m in reversed(list(module.modules())):  # children before parents: a parent unit takes what is left
-        if m is module or id(m) in inside:
+        if m is module or id(m) in inside or not outer:
             continue
         own = list(m.parameters(recurse=False))
         if not own:

@@ -1,52 +1,104 @@
-"""Stage-local pre- and post-trunk parameters for the pipeline strategies (``pipeline``, ``helix``).
+"""Pre- and post-trunk parameters under the pipeline strategies (``pipeline``, ``helix``): stored in shards
+over the stages, whole only where and while a step runs them (docs/design.md, "Where each parameter lives").
 
-At the first training step (:meth:`StageLocalMixin._place_outer`) the strategy finds which parameters
-outside the trunk the step uses before the trunk and after it (:func:`lightning_parallel.pipeline.outer.touched`):
-the first stage (which runs chunk 0) keeps the pre-trunk ones, the loss stage the post-trunk ones, both a
-parameter both parts use (a tied embedding and head), the loss stage one that the step does not use. The
-other stages free theirs to ``meta`` and drop them from the optimizers. Gradients: a parameter every stage
-holds is summed over the pipeline group as before; one the first and the loss stage share is summed between
-those two only. Evaluation runs the user's code on every stage in lock-step, so a loop's start gathers the
-freed parameters from their holders and its end frees them again. Parameters that are DTensors (vocabulary-
-parallel under tensor parallelism, FSDP's under full sharding) stay on every stage.
+At set-up (:meth:`StageLocalMixin._shard_outer`) every parameter outside the trunk (plain, not 0-dim) is
+*stored* cut in dim 0 over the pipeline stages (over dp x pp under ``data_parallel_sharding="full"``): a
+``DTensor`` parameter, ``Shard(0)`` on that mesh, which the optimizer holds and steps, so parameters,
+gradients and optimizer state per rank are ``1 / pp`` of them. This is ZeRO stage 3 (Rajbhandari et al.,
+2020, arXiv 1910.02054) over the stages for the parameters outside the trunk, gathered once per step
+rather than once per use. At the first training step (:meth:`StageLocalMixin._place_outer`) the strategy
+finds which of them the step uses before the trunk and after it (:func:`lightning_parallel.pipeline.outer.touched`):
+the first stage (which runs chunk 0) runs the pre-trunk ones, the loss stage the post-trunk ones, both a
+parameter both parts use (a tied embedding and head); one the step does not use, and every one when a
+block's side argument is computed from one (the blocks need the values everywhere), runs on every stage.
+
+1. a training step starts: every rank all-gathers each sharded parameter; the stages that run it put
+   the whole tensor in the module (a plain parameter, so the user's code runs unchanged); the others a
+   ``meta`` one, a stride-0 NaN placeholder while the schedule runs (:func:`outer.placeholders`);
+2. after the schedule (and any gradient accumulation), ``sync_gradients`` reduce-scatters the gradient
+   over the same mesh: the sum over the stages that used the parameter (a tied pair's two halves) and,
+   over dp, the mean; the module gets the shard back with that gradient, so clipping and the optimizer
+   see shards only;
+3. an evaluation loop runs the user's code on every stage in lock-step: its start gathers every sharded
+   parameter on every stage, its end puts the shards back.
+
+Whole on every stage, the gradient summed over the pipeline group: 0-dim parameters, and parameters that
+are DTensors already (vocabulary-parallel ones under tensor parallelism).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.families import no_fast_paths
-from lightning_parallel.pipeline import outer
+from lightning_parallel.mesh import DP, PP
+from lightning_parallel.pipeline import gradients, outer
 from lightning_parallel.strategies._logging import LogRecorder, recording, restore_metrics, snapshot_metrics
-from lightning_parallel.strategies._optimizers import drop_parameters
+
+
+@dataclass
+class ShardedOuter:
+    """One pre/post-trunk parameter stored in shards (a tied pair is one, under all its names)."""
+
+    names: tuple[str, ...]
+    holders: frozenset[int]  # the stages whose training step runs it (every stage until the first step decides)
+    shard: nn.Parameter  # the DTensor parameter: the optimizer's; the module's between steps
 
 
 class StageLocalMixin:
-    """Mixed into ``PipelineParallelStrategy``; needs its ``runtime``, ``stage``, ``loss_stage``, ``stage_rank``,
-    ``pp_group``, ``_replicated_names`` and ``_metrics``."""
+    """Mixed into ``PipelineParallelStrategy``; needs its ``runtime``, ``stage``, ``loss_stage``, ``pp_group``,
+    ``_replicated_names`` and ``_metrics``."""
 
-    _outer_holders: dict[str, frozenset[int]]  # outer parameter name -> the stages holding it (decided)
-    _freed_outer: list[nn.Parameter]
+    _sharded_outer: list[ShardedOuter]
     _outer_decided: bool
+    _outer_state: str  # "rest": the module holds the shards; "step": a step's tensors; "eval": every stage's whole
+    _freed_outer: list[nn.Parameter]  # in "step": the meta parameters of the stages that do not use them
 
     def _init_stage_local(self) -> None:
-        self._outer_holders, self._freed_outer, self._outer_decided = {}, [], False
+        self._sharded_outer, self._outer_decided, self._outer_state, self._freed_outer = [], False, "rest", []
+        self._outer_mesh_of: Optional[tuple[Any, DeviceMesh]] = None
 
     @property
     def first_stage(self) -> int:
         """The stage that runs chunk 0, and so the pre-trunk code whose values matter."""
         return 0
 
-    def _holders(self, name: str) -> frozenset[int]:
-        return self._outer_holders.get(name) or frozenset(range(self.parallel_dims.pp))  # type: ignore[attr-defined]
+    @property
+    def outer_placement(self) -> dict[str, tuple[int, ...]]:
+        """Each sharded pre/post-trunk parameter's name -> the stages that hold it whole during a training step
+        (every stage stores ``1 / pp`` of it); parameters not listed are whole on every stage."""
+        return {n: tuple(sorted(s.holders)) for s in self._sharded_outer for n in s.names}
+
+    # ------------------------------------------------------------------------------ placement
+    def _shard_outer(self, lm: Any) -> None:
+        """At set-up, after the broadcast that makes every stage's values rank 0's: store each pre/post-trunk
+        parameter (plain, not 0-dim) in shards; the optimizers are built on the shards."""
+        if self.parallel_dims.pp == 1 or self._sharded_outer:  # type: ignore[attr-defined]
+            return
+        found: dict[int, tuple[nn.Parameter, list[str]]] = {}
+        for n, p in lm.named_parameters(remove_duplicate=False):
+            if n in self._replicated_names and not p.is_meta and type(p) is nn.Parameter and p.dim() > 0:  # type: ignore[attr-defined]
+                found.setdefault(id(p), (p, []))[1].append(n)
+        everywhere = frozenset(range(self.parallel_dims.pp))  # type: ignore[attr-defined]
+        for p, names in found.values():
+            shard = self._new_shard(p)
+            self._sharded_outer.append(ShardedOuter(tuple(names), everywhere, shard))
+            _install(lm, names, shard)
+        self._outer_ids = None
 
     def _place_outer(self, step: Any) -> None:
-        """Decide where each pre/post-trunk parameter lives (the first step; see the module docstring)."""
+        """Decide which stages run each pre/post-trunk parameter (the first step, with every one of them whole
+        on every stage; see the module docstring), and free the others' copies of this step."""
         self._outer_decided = True
         lm, runtime = self.lightning_module, self.runtime  # type: ignore[attr-defined]
         named = lm.named_parameters(remove_duplicate=False)
@@ -55,72 +107,142 @@ class StageLocalMixin:
             for n, p in named
             if n in self._replicated_names and not p.is_meta and type(p) is nn.Parameter  # type: ignore[attr-defined]
         }
-        if self.parallel_dims.pp == 1 or not watched:  # type: ignore[attr-defined]
+        if self.parallel_dims.pp == 1 or not watched or not self._sharded_outer:  # type: ignore[attr-defined]
             return
         metrics = self._metrics.metrics  # type: ignore[attr-defined]
         saved = snapshot_metrics(metrics)
         message = None
         try:
-            # no graph: the probe needs values only, and a live graph would pin the parameters (swap_tensors
-            # refuses a tensor an AccumulateGrad node still holds)
+            # no graph: the probe needs values only (a live graph would pin the parameters)
             with torch.random.fork_rng(), recording(lm, LogRecorder()), no_fast_paths(), torch.no_grad():
                 with self.precision_plugin.train_step_context():  # type: ignore[attr-defined]
                     trunk_input = runtime.capture_step(step).trunk_input
                     found = outer.touched(runtime.trunk, step, watched, trunk_input, runtime.output_like)
                     del trunk_input
             decision: Any = tuple(sorted(names) for names in found)
-        except Exception as err:  # noqa: BLE001  (every rank agrees below, then raises or keeps everything)
+        except Exception as err:  # noqa: BLE001  (every rank agrees below, then runs everything everywhere)
             decision, message = None, f"{type(err).__name__}: {err}"
         finally:
             restore_metrics(metrics, saved)
         # global rank 0's decision (a loss stage) for every replica: the optimizers' parameters must agree over dp
         decision = _collectives.broadcast_object(decision, 0, None)
         if decision is None:
-            rank_zero_info(f"pre/post-trunk parameters stay on every stage (the probe failed: {message})")
+            rank_zero_info(f"pre/post-trunk parameters run whole on every stage (the probe failed: {message})")
             return
         pre, post, arguments = set(decision[0]), set(decision[1]), decision[2]
         if arguments:
             rank_zero_info(
-                f"pre/post-trunk parameters stay on every stage: the blocks' arguments are computed from {arguments}"
+                "pre/post-trunk parameters run whole on every stage: the blocks' arguments are computed from"
+                f" {arguments}"
             )
             return
         # by parameter, not by name: a tied pair has two names, and the probe reports one of them
         pre_ids, post_ids = {id(watched[n]) for n in pre}, {id(watched[n]) for n in post}
-        first, last, everywhere = self.first_stage, self.loss_stage, range(self.parallel_dims.pp)  # type: ignore[attr-defined]
-        by_param = {
-            id(p): ({first} if id(p) in pre_ids else set()) | ({last} if id(p) in post_ids else set())
-            or set(everywhere)
-            for p in watched.values()
-        }
-        self._outer_holders = {n: frozenset(by_param[id(p)]) for n, p in watched.items()}
-        freed = {id(p): p for n, p in watched.items() if self.stage not in self._outer_holders[n]}  # type: ignore[attr-defined]
-        self._freed_outer = list(freed.values())
-        outer.free_(self._freed_outer)
-        drop_parameters(self.optimizers, set(freed))  # type: ignore[attr-defined]
+        for s in self._sharded_outer:
+            p = watched[s.names[0]]
+            holders = ({self.first_stage} if id(p) in pre_ids else set()) | (
+                {self.loss_stage} if id(p) in post_ids else set()  # type: ignore[attr-defined]
+            )
+            if holders:  # one the step does not use runs whole everywhere (a branch the first step did not take)
+                s.holders = frozenset(holders)
+            if self.stage not in s.holders:  # type: ignore[attr-defined]
+                outer.free_([p])
+                self._freed_outer.append(p)
+        lines = [f"{', '.join(s.names)}: stages {sorted(s.holders)}" for s in self._sharded_outer]
+        rank_zero_info(
+            f"pre/post-trunk parameters (stored in shards over {self._outer_mesh().size()} ranks) run whole"
+            " during a training step on (decided at the first step):\n  " + "\n  ".join(lines)
+        )
+
+    def _outer_mesh(self) -> DeviceMesh:
+        """The stages, times the dp replicas under full sharding (one flattened mesh dimension)."""
+        mesh = self._mesh  # type: ignore[attr-defined]
+        if self._outer_mesh_of is None or self._outer_mesh_of[0] is not mesh:
+            sub = mesh[DP, PP]._flatten("dp_pp") if self._fully_sharded else mesh[PP]  # type: ignore[attr-defined]
+            self._outer_mesh_of = (mesh, sub)
+        return self._outer_mesh_of[1]
+
+    def _new_shard(self, p: nn.Parameter) -> nn.Parameter:
+        """``p``'s values as a ``Shard(0)`` DTensor parameter on the outer mesh (local slicing: every stage holds
+        the same values, broadcast at set-up)."""
+        value = distribute_tensor(p.detach(), self._outer_mesh(), [Shard(0)], src_data_rank=None)
+        shard = nn.Parameter(value, requires_grad=p.requires_grad)
+        shard.__dict__.update(p.__dict__)
+        return shard
+
+    # ------------------------------------------------------------------------------ the step
+    def _gather_outer_for_step(self) -> None:
+        """Step 1 of the module docstring (a no-op while gradients accumulate: the step's tensors stay)."""
+        if self._outer_state != "rest" or not self._sharded_outer:
+            return
+        lm, self._freed_outer = self.lightning_module, []  # type: ignore[attr-defined]
+        for s in self._sharded_outer:
+            whole = s.shard.full_tensor()
+            if self.stage in s.holders:  # type: ignore[attr-defined]
+                param = nn.Parameter(whole, requires_grad=s.shard.requires_grad)
+            else:
+                del whole
+                param = nn.Parameter(torch.empty(s.shard.shape, dtype=s.shard.dtype, device="meta"), s.shard.requires_grad)
+                self._freed_outer.append(param)
+            param.__dict__.update({k: v for k, v in s.shard.__dict__.items()})
+            _install(lm, s.names, param)
+        self._outer_state, self._outer_ids = "step", None
+
+    def _reduce_outer_gradients(self) -> None:
+        """Step 2 of the module docstring: reduce-scatter each gradient onto the shards; the module holds them
+        again."""
+        if self._outer_state != "step":
+            return
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        steps = [_module_param(lm, s.names[0]) for s in self._sharded_outer]
+        group = self._sharded_outer[0].shard.device_mesh.get_group()
+        used = _collectives.any_over_group([p.grad is not None for p in steps], group)
+        dp = self.parallel_dims.dp if self._fully_sharded else 1  # type: ignore[attr-defined]
+        for s, p, u in zip(self._sharded_outer, steps, used):
+            mesh = s.shard.device_mesh
+            if u:
+                grad = p.grad if p.grad is not None else torch.zeros(s.shard.shape, dtype=s.shard.dtype, device=s.shard.device)
+                reduced = DTensor.from_local(grad, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(0)])
+                if dp > 1:
+                    reduced.to_local().div_(dp)  # the dp mean (FSDP's units average too)
+                s.shard.grad = reduced if s.shard.grad is None else s.shard.grad + reduced
+            _install(lm, s.names, s.shard)
+        self._freed_outer, self._outer_state, self._outer_ids = [], "rest", None
+
+    @contextmanager
+    def _outer_at_rest(self) -> Iterator[None]:
+        """The shards in the module while inside, whatever it holds now: a checkpoint saved during an
+        evaluation loop (``ModelCheckpoint`` at its end) or while gradients accumulate holds the shards and
+        their optimizer state by name."""
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        if self._outer_state == "rest" or lm is None:
+            yield
+            return
+        now = [_module_param(lm, s.names[0]) for s in self._sharded_outer]
+        for s in self._sharded_outer:
+            _install(lm, s.names, s.shard)
         self._outer_ids = None
-        lines = [f"{n}: stages {sorted(s)}" for n, s in self._outer_holders.items()]
-        rank_zero_info("pre/post-trunk parameters placed (first step):\n  " + "\n  ".join(lines))
+        try:
+            yield
+        finally:
+            for s, p in zip(self._sharded_outer, now):
+                _install(lm, s.names, p)
+            self._outer_ids = None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._outer_at_rest():
+            return super().lightning_module_state_dict()  # type: ignore[misc]
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        with self._outer_at_rest():
+            return super().optimizer_state(optimizer)  # type: ignore[misc]
 
     def _sum_outer_gradients(self, params: list[nn.Parameter]) -> None:
-        """Sum the gradients of pre/post-trunk parameters between the stages that hold them."""
-        from lightning_parallel.pipeline import gradients
-        from lightning_parallel.tensor_parallel import local
-
-        name_of = self._outer_names()
-        pp = self.parallel_dims.pp  # type: ignore[attr-defined]
-        everywhere = [p for p in params if len(self._holders(name_of[id(p)])) == pp]
-        gradients.sum_replicated_(everywhere, self.pp_group)  # type: ignore[attr-defined]
-        shared = {self.first_stage, self.loss_stage}  # type: ignore[attr-defined]
-        both = [p for p in params if len(shared) == 2 < pp and self._holders(name_of[id(p)]) == shared]
-        if both:
-            other = self.loss_stage if self.stage == self.first_stage else self.first_stage  # type: ignore[attr-defined]
-            peer, group = self.stage_rank(other), self.pp_group  # type: ignore[attr-defined]
-            mine = torch.tensor([p.grad is not None for p in both], dtype=torch.uint8, device=both[0].device)
-            used = (mine | _collectives.exchange(mine, peer, group)).tolist()  # None stays None where neither used it
-            for p, u in zip(both, used):
-                if u and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            _collectives.exchange_sum_([local(p.grad) for p, u in zip(both, used) if u], peer, group)
+        """The gradients of the pre/post-trunk parameters: the sharded ones reduce-scattered onto their shards,
+        the whole ones (every stage holds them) summed over the pipeline group."""
+        self._reduce_outer_gradients()
+        sharded = {id(s.shard) for s in self._sharded_outer}
+        gradients.sum_replicated_([p for p in params if id(p) not in sharded], self.pp_group)  # type: ignore[attr-defined]
 
     def _outer_names(self) -> dict[int, str]:
         """id -> name of the pre/post-trunk parameters as the module holds them now (cached until they change)."""
@@ -133,33 +255,54 @@ class StageLocalMixin:
         return self._outer_ids  # type: ignore[return-value]
 
     def _counts_outer_here(self, p: nn.Parameter) -> Optional[bool]:
-        """For a pre/post-trunk parameter: whether this stage counts it in the global norm (its first holder);
-        ``None`` for any other parameter."""
-        name = self._outer_names().get(id(p))
-        if name is None:
+        """For a pre/post-trunk parameter: whether this stage counts it in the global norm (every stage its
+        shard; a whole one on the first stage); ``None`` for any other parameter."""
+        if any(p is s.shard for s in self._sharded_outer):
+            return True
+        if self._outer_names().get(id(p)) is None:
             return None
-        return self.stage == min(self._holders(name))  # type: ignore[attr-defined]
+        return self.stage == self.first_stage  # type: ignore[attr-defined]
 
+    # ------------------------------------------------------------------------------ evaluation
     def _gather_outer(self) -> None:
-        """Give every stage the freed pre/post-trunk parameters (lock-step evaluation runs them everywhere)."""
-        if not self._outer_holders:
+        """Step 3 of the module docstring: every stage gets every sharded parameter whole."""
+        if not self._sharded_outer:
             return
-        lm, device = self.lightning_module, self.root_device  # type: ignore[attr-defined]
-        ranks = _collectives.group_ranks(self.pp_group)  # type: ignore[attr-defined]
-        by_source: dict[int, list[Tensor]] = {}
-        seen: set[int] = set()
-        for n, p in lm.named_parameters(remove_duplicate=False):
-            if n not in self._outer_holders or id(p) in seen:
-                continue
-            seen.add(id(p))
-            holders = self._outer_holders[n]
-            if len(holders) == self.parallel_dims.pp:  # type: ignore[attr-defined]
-                continue
-            if p.is_meta:
-                outer.set_(p, torch.empty(p.shape, dtype=p.dtype, device=device))
-            by_source.setdefault(min(holders), []).append(p.data)
-        for stage in sorted(by_source):
-            _collectives.broadcast_(by_source[stage], self.pp_group, ranks.index(self.stage_rank(stage)))  # type: ignore[attr-defined]
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        for s in self._sharded_outer:
+            whole = s.shard.full_tensor()  # every rank, in the same order
+            if self._outer_state == "rest":
+                param = nn.Parameter(whole, requires_grad=s.shard.requires_grad)
+                param.__dict__.update(s.shard.__dict__)
+                _install(lm, s.names, param)
+            elif self.stage not in s.holders:  # type: ignore[attr-defined]
+                outer.set_(_module_param(lm, s.names[0]), whole)  # mid-accumulation: the step's tensors stay
+        self._outer_state = "eval" if self._outer_state == "rest" else "step-eval"
+        self._outer_ids = None
 
     def _free_outer(self) -> None:
-        outer.free_(self._freed_outer)
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        if self._outer_state == "eval":
+            for s in self._sharded_outer:
+                _install(lm, s.names, s.shard)
+            self._outer_state = "rest"
+        elif self._outer_state == "step-eval":
+            outer.free_(self._freed_outer)
+            self._outer_state = "step"
+        self._outer_ids = None
+
+    def _is_sharded_outer(self, t: Tensor) -> bool:
+        return any(t is s.shard for s in self._sharded_outer)
+
+
+def _module_param(module: nn.Module, name: str) -> nn.Parameter:
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module)._parameters[attr]  # type: ignore[return-value]
+
+
+def _install(module: nn.Module, names: tuple[str, ...] | list[str], param: nn.Parameter) -> None:
+    """Make every name in ``names`` (a tied pair has two) refer to ``param``."""
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        (module.get_submodule(path) if path else module)._parameters[attr] = param
+

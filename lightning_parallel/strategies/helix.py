@@ -187,6 +187,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._splits:
+            self._gather_outer_for_step()  # the capture pass runs the user's code: the embedding whole
             self._verify_and_place(args[0], args[1:], kwargs)
         return super().training_step(*args, **kwargs)
 

@@ -360,6 +360,7 @@ class HybridParallelStrategy(
         self._parallelize(lm)
         self._sync_module_states(self.model)
         self._fully_shard_built(lm)  # after the broadcast above: it would overwrite the shards
+        self._shard_outer(lm)  # likewise (the pipeline strategies' parameters outside the trunk)
         for metric in MetricStepper(lm, False).metrics.values():
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
@@ -442,6 +443,10 @@ class HybridParallelStrategy(
     def _seed(self) -> int:
         """Rank 0's seed (``seed_everything``'s, or the process's own): every rank initialises alike."""
         return int(_collectives.broadcast_object(torch.initial_seed(), 0, None))
+
+    def _shard_outer(self, lm: LightningModule) -> None:
+        """After the set-up broadcast, before the optimizers: the pipeline strategies store the parameters
+        outside the trunk in shards over the stages (:mod:`lightning_parallel.strategies._stage_local`)."""
 
     def _placed(self, lm: LightningModule, trunk: Trunk) -> None:
         """After placement and materialisation, before the block layer (the pipeline reports its layout)."""

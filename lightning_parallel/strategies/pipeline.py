@@ -245,7 +245,8 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         micro, shares = split_microbatches(batch, self.num_microbatches)
         if 0.0 in shares:
             _check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
-        if not self._outer_decided:  # the first step: which stages need the pre/post-trunk parameters
+        self._gather_outer_for_step()  # the sharded pre/post-trunk parameters, whole where they run
+        if not self._outer_decided:  # the first step: which stages run the pre/post-trunk parameters
             self._place_outer(lambda: lm.training_step(micro[0], *rest, **kwargs))
         accumulate = lm.trainer.accumulate_grad_batches
         weights = [(s if self._loss_reduction == "mean" else float(s > 0)) / accumulate for s in shares]
@@ -331,10 +332,8 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     # ----------------------------------------------------------------------------- evaluation
     @override
     def _shared_over_pp(self, module: nn.Module) -> list[Tensor]:
-        # what every stage holds: not the pre/post-trunk parameters placed on some stages only
-        local = {n for n, h in self._outer_holders.items() if len(h) < self.parallel_dims.pp}
-        skip = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in local}
-        return [t for t in super()._shared_over_pp(module) if id(t) not in skip]
+        # what every stage holds whole: not the shards of the pre/post-trunk parameters
+        return [t for t in super()._shared_over_pp(module) if not self._is_sharded_outer(t)]
 
     @override
     def _evaluation_starts(self) -> None:

@@ -1,7 +1,8 @@
-"""Pre- and post-trunk parameters live on the pipeline stages that use them: placement, parity (tied
-weights over pp=4, a skip from the embedding to the head, a block argument computed from a parameter,
-helix), the gathered state. Validation between steps (the freed parameters gathered for lock-step
-evaluation) is `test_pipeline_lightning.py`'s metrics test, checkpoints `test_checkpoints.py`'s."""
+"""Pre- and post-trunk parameters are stored in shards over the pipeline stages and whole only on the
+stages that run them: placement, each stage's share, parity (tied weights over pp=4, a skip from the
+embedding to the head, a block argument computed from a parameter, helix), the gathered state.
+Validation between steps (the shards gathered for lock-step evaluation) is `test_pipeline_lightning.py`'s
+metrics test, checkpoints `test_checkpoints.py`'s."""
 
 from __future__ import annotations
 
@@ -16,60 +17,70 @@ def _pp(pp: int = 2, **kwargs):
 
 
 def _placement(rank, world_size, model, strategy, validate):
+    from lightning_parallel.tensor_parallel import local
+
     module, data = build(model, 8, "adamw")
     kwargs = dict(limit_val_batches=1, val_check_interval=1) if validate else {}
     trainer = quick_fit(module, data, strategy(), world_size, steps=2, **kwargs)
-    held = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.is_meta}
+    placement = trainer.strategy.outer_placement
+    named = dict(module.named_parameters(remove_duplicate=False))
+    stored = {n: local(named[n]).numel() / named[n].numel() for n in placement}  # this stage's share of each
     in_optimizer = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
     dropped = [n for n, p in module.named_parameters() if not p.is_meta and id(p) not in in_optimizer]
-    return trainer.strategy.stage, held, dropped
+    return trainer.strategy.stage, placement, stored, dropped
 
 
-def _outer(held: set[str]) -> set[str]:
-    return {n for n in held if not n.startswith(("layers.", "transformer.h."))}
+def _check_shares(ranks, stages: int) -> None:
+    """Every stage stores 1/stages of each sharded parameter (to a row), the shares add up to the whole, and
+    each stage's optimizer steps every parameter it stores."""
+    names = ranks[0][1]
+    assert names and all(placement == names for _, placement, _, _ in ranks)  # the same decision everywhere
+    for n in names:
+        shares = [stored[n] for _, _, stored, _ in ranks]
+        assert abs(sum(shares) - 1.0) < 1e-9, (n, shares)
+        assert max(shares) - min(shares) <= 0.5, (n, shares)  # uneven by at most one row of a small tensor
+    assert all(not dropped for *_, dropped in ranks)
 
 
-def test_the_llamas_embedding_is_on_the_first_stage_and_its_head_on_the_loss_stage():
+def test_the_llamas_embedding_runs_on_the_first_stage_and_its_head_on_the_loss_stage():
     ranks = run_distributed(_placement, 2, "llama", _pp(), True, init_process_group=False)
-    by_stage = {stage: _outer(held) for stage, held, _ in ranks}
-    assert by_stage[0] == {"embed_tokens.weight"}
-    assert by_stage[1] == {"norm.weight", "lm_head.weight"}
-    assert all(not dropped for _, _, dropped in ranks)  # what a stage holds, its optimizer steps
+    assert ranks[0][1] == {"embed_tokens.weight": (0,), "norm.weight": (1,), "lm_head.weight": (1,)}
+    _check_shares(ranks, 2)
 
 
-def test_a_tied_embedding_is_held_by_the_first_and_the_loss_stage_only():
+def test_a_tied_embedding_runs_on_the_first_and_the_loss_stage_and_is_stored_over_all_four():
     ranks = run_distributed(_placement, 4, "gpt", _pp(4), False, init_process_group=False)
-    by_stage = {stage: _outer(held) for stage, held, _ in ranks}
-    assert by_stage[0] == {"transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"}
-    assert by_stage[3] >= {"transformer.wte.weight", "lm_head.weight", "transformer.ln_f.weight"}
-    assert "transformer.wpe.weight" not in by_stage[3]
-    assert by_stage[1] == by_stage[2] == set()
+    placement = ranks[0][1]
+    assert placement["transformer.wte.weight"] == placement["lm_head.weight"] == (0, 3)
+    assert placement["transformer.wpe.weight"] == (0,)
+    assert placement["transformer.ln_f.weight"] == (3,)
+    _check_shares(ranks, 4)
 
 
-def test_helix_keeps_the_embedding_and_head_on_its_stage_zero():
+def test_helix_runs_the_embedding_and_head_on_its_stage_zero():
     ranks = run_distributed(
         _placement, 2, "llama", lambda: HelixParallelStrategy(pipeline_parallel_size=2), False,
         init_process_group=False,
     )  # fmt: skip
-    by_stage = {stage: _outer(held) for stage, held, _ in ranks}
-    assert by_stage[0] == {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
-    assert by_stage[1] == set()
+    assert ranks[0][1] == {"embed_tokens.weight": (0,), "norm.weight": (0,), "lm_head.weight": (0,)}
+    _check_shares(ranks, 2)
 
 
 def test_a_tied_embedding_over_four_stages_trains_with_parity():
     assert_parity("gpt", _pp(4), 4, data_parallel_size=1, gradient_clip_val=0.05)
 
 
-def test_a_skip_from_the_embedding_to_the_head_keeps_the_embedding_on_the_loss_stage():
+def test_a_skip_from_the_embedding_to_the_head_runs_the_embedding_on_the_loss_stage_too():
     ranks = run_distributed(_placement, 2, "llama-skip", _pp(), False, init_process_group=False)
-    assert "embed_tokens.weight" in _outer(dict((s, h) for s, h, _ in ranks)[1])
+    assert ranks[0][1]["embed_tokens.weight"] == (0, 1)
     assert_parity("llama-skip", _pp(), 2, data_parallel_size=1, gradient_clip_val=0.05)
 
 
 def test_a_block_argument_computed_from_a_parameter_keeps_everything_everywhere():
     ranks = run_distributed(_placement, 2, "llama-learned-rope", _pp(), False, init_process_group=False)
-    for _, held, _ in ranks:
-        assert {"embed_tokens.weight", "rope_scale", "lm_head.weight"} <= _outer(held)
+    placement = ranks[0][1]
+    assert placement["embed_tokens.weight"] == placement["lm_head.weight"] == (0, 1)  # whole on both in a step
+    assert "rope_scale" not in placement  # 0-dim: never sharded
     assert_parity("llama-learned-rope", _pp(), 2, data_parallel_size=1)
 
 
