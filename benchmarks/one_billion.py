@@ -122,8 +122,9 @@ def main() -> None:
     print(f"machine memory {total_mem / gib:.1f} GiB; AdamW needs 16 bytes per parameter held (value, gradient,"
           " two moments)")  # fmt: skip
     print(f"  whole model on each of 2 ranks: 2 x {16 * n / gib:.1f} = {32 * n / gib:.1f} GiB: does not fit, not run")
-    stage = (n - 2 * V * H) / 2 + V * H  # half the blocks and the embedding (first stage) or the head (loss stage)
-    print(f"  pp=2, a stage with half the blocks and the embedding or the head: 2 x {16 * stage / gib:.1f} GiB")
+    # half the blocks and half of the embedding and of the head (stored in shards over the stages; whole during
+    # the step on the stage that runs it)
+    print(f"  pp=2, a stage with half the blocks, half the embedding and half the head: 2 x {16 * n / 2 / gib:.1f} GiB")
     print(f"  dp=2 full sharding: 2 x {16 * n / 2 / gib:.1f} GiB\n")
     print("| layout | rank | params GiB | grads GiB | AdamW state GiB | set-up peak RSS GiB | step peak RSS GiB |"
           " loss | step s |")  # fmt: skip

@@ -402,10 +402,14 @@ class HybridParallelStrategy(
         local, freed = self._place_stages(lm, trunk)
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
-            self._materialize(lm, freed, trunk)
-            if config.tp_mesh is not None and self._vocabulary_parallel:
+            vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
+            # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
+            # so set-up never holds the whole embedding and every block at once
+            self._materialize(lm, [*freed, *(trunk.blocks if vocabulary else [])], trunk)
+            if vocabulary:
                 sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
+                self._materialize(lm, freed, trunk)
             self._placed(lm, trunk)
             layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
             self._blocks = layer.install(local)

@@ -205,6 +205,8 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         ("dp2full", "pp2"),
         ("pp2", "dp2full"),
         ("dp2zero", "pp2dp2full"),
+        ("tp2", "pp2"),  # the embedding and head: vocabulary shards -> shards over the stages
+        ("pp2dp2full", "tp2"),
         ("pp2", "auto"),  # Lightning's own strategy resumes from the directory (lightning_parallel._loading)
     ],  # fmt: skip
 )

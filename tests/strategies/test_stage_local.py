@@ -6,6 +6,8 @@ metrics test, checkpoints `test_checkpoints.py`'s."""
 
 from __future__ import annotations
 
+import torch
+
 from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import assert_parity, build
@@ -100,3 +102,43 @@ def test_the_gathered_full_state_holds_every_parameter():
     module, _ = build("llama", 8, "adamw")
     assert names == sorted(module.state_dict())
     assert all(shapes[k] == tuple(v.shape) for k, v in module.state_dict().items())
+
+
+def _saves_in_validation(rank, world_size, directory):
+    import lightning as L
+
+    from lightning_parallel.checkpoint import load_sharded
+
+    module, data = build("gpt", 8, "adamw")
+    seen = []
+
+    class SaveInValidation(L.Callback):  # what ModelCheckpoint does at a validation end
+        def on_validation_end(self, trainer, pl_module):
+            path = f"{directory}/batch{len(seen)}.ckpt"
+            trainer.save_checkpoint(path)
+            seen.append((path, trainer.strategy.full_state_dict(), trainer.strategy._outer_state))
+
+    quick_fit(
+        module, data, _pp()(), world_size, steps=2, limit_val_batches=1, val_check_interval=1,
+        accumulate_grad_batches=2, callbacks=[SaveInValidation()],
+    )  # fmt: skip
+    out = []
+    for path, whole, state in seen:
+        saved = load_sharded(path)
+        out.append((state, {k: v for k, v in saved["state_dict"].items()}, whole, saved["optimizer_states"][0]))
+    return out
+
+
+def test_a_checkpoint_saved_inside_validation_holds_every_parameter_and_its_optimizer_state(tmp_path):
+    """Validation after every batch with gradient accumulation over two: it runs once mid-accumulation (the
+    step's tensors in the module) and once after the optimizer step (the shards); both checkpoints hold the
+    whole model as the strategy gathers it, and optimizer state for every parameter once a step was taken."""
+    seen = run_distributed(_saves_in_validation, 2, str(tmp_path), init_process_group=False)[0]
+    assert [state for state, *_ in seen][:2] == ["step-eval", "eval"]
+    names = {n for n, _ in build("gpt", 8, "adamw")[0].named_parameters()}
+    for i, (_, on_disk, whole, optimizer) in enumerate(seen):
+        assert set(whole) <= set(on_disk)
+        for k, v in whole.items():
+            torch.testing.assert_close(on_disk[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+        if i >= 1:  # after the first optimizer step: every parameter's AdamW state, by name
+            assert set(optimizer["state"]) == names
