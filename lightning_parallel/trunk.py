@@ -91,12 +91,14 @@ def free_blocks(blocks: list[nn.Module]) -> None:
 
 
 def parameter_bytes(module: nn.Module) -> int:
-    """Bytes of the materialised (non-meta) parameters of ``module``, shared parameters counted once."""
+    """Bytes of the materialised (non-meta) parameters of ``module`` this rank holds (a DTensor's local part),
+    shared parameters counted once."""
     seen, total = set(), 0
     for p in module.parameters():
         if p.device.type != "meta" and id(p) not in seen:
             seen.add(id(p))
-            total += p.numel() * p.element_size()
+            t = p.to_local() if hasattr(p, "to_local") else p
+            total += t.numel() * t.element_size()
     return total
 
 

@@ -24,6 +24,18 @@ def drop_parameters(optimizers: Iterable[Optimizer], freed: set[int]) -> None:
             group["params"] = [q for q in group["params"] if id(q) not in freed]
 
 
+def avoid_mixed_foreach(optimizer: Optimizer) -> None:
+    """A param group that mixes DTensors (tensor-parallel shards, the pipeline's sharded embedding) with plain
+    tensors steps tensor by tensor (``foreach=False``, the same update): torch's foreach kernels refuse
+    such a list ("got mixed torch.Tensor and DTensor"), and optimizers default to them on CUDA."""
+    from torch.distributed.tensor import DTensor
+
+    for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if len(kinds) == 2 and "foreach" in group and not group.get("fused"):
+            group["foreach"] = False
+
+
 def replace_parameters(
     optimizers: Iterable[Optimizer], replaced: Replaced, convert: Callable[[str, Any, Tensor], Any]
 ) -> None:

@@ -237,6 +237,16 @@ class StageLocalMixin:
         with self._outer_at_rest():
             return super().optimizer_state(optimizer)  # type: ignore[misc]
 
+    def _outer_to_rest(self) -> None:
+        """The shards back in the module, whatever it holds (teardown): a fit that stopped while gradients
+        accumulated drops the step's partial gradients, as Lightning drops those of the whole model."""
+        lm = self.lightning_module  # type: ignore[attr-defined]
+        if self._outer_state == "rest" or lm is None:
+            return
+        for s in self._sharded_outer:
+            _install(lm, s.names, s.shard)
+        self._freed_outer, self._outer_state, self._outer_ids = [], "rest", None
+
     def _sum_outer_gradients(self, params: list[nn.Parameter]) -> None:
         """The gradients of the pre/post-trunk parameters: the sharded ones reduce-scattered onto their shards,
         the whole ones (every stage holds them) summed over the pipeline group."""
@@ -256,12 +266,15 @@ class StageLocalMixin:
 
     def _counts_outer_here(self, p: nn.Parameter) -> Optional[bool]:
         """For a pre/post-trunk parameter: whether this stage counts it in the global norm (every stage its
-        shard; a whole one on the first stage); ``None`` for any other parameter."""
+        shard; during a step, before the gradients are reduced, a stage running it whole if it is the first
+        such stage; a whole one on the first stage); ``None`` for any other parameter."""
         if any(p is s.shard for s in self._sharded_outer):
             return True
-        if self._outer_names().get(id(p)) is None:
+        name = self._outer_names().get(id(p))
+        if name is None:
             return None
-        return self.stage == self.first_stage  # type: ignore[attr-defined]
+        running = next((s.holders for s in self._sharded_outer if name in s.names), None)
+        return self.stage == (min(running) if running else self.first_stage)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------------------ evaluation
     def _gather_outer(self) -> None:

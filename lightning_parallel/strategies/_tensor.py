@@ -65,6 +65,15 @@ class TensorParallelMixin:
         counted = [local(p.grad) for p in params if self._counts_in_norm(self._original(p))]
         gradients.clip_grad_norm_(params, counted, clip_val, self._norm_groups())
 
+    @staticmethod
+    def _clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` element by element on each rank's local gradients (torch's
+        foreach version refuses a list mixing DTensors and plain tensors)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    local(p.grad).clamp_(min=-clip_val, max=clip_val)
+
     def _local_gradients(self, optimizer: Optimizer) -> list[Tensor]:
         return [local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 

@@ -159,7 +159,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         # every stage holds the whole model until the first step has split and placed the blocks
         if self._splits:
             return super()._shared_over_pp(module)
-        return [t for t in module.state_dict(keep_vars=True).values() if not t.is_meta]
+        return [t for t in module.state_dict(keep_vars=True).values() if not t.is_meta and not self._is_sharded_outer(t)]
 
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:
@@ -209,7 +209,9 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             self.optimizers, place_parameters(runtime.trunk, self._splits, self.stage, self.parallel_dims.pp)
         )
         layers = len(runtime.trunk)
-        self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], parameter_bytes(lm))
+        with self._outer_at_rest():  # what the stage stores: the outer part's shards
+            nbytes = parameter_bytes(lm)
+        self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], nbytes)
 
 
 def _split_candidate(config: BlockConfig) -> Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]]:

@@ -59,7 +59,7 @@ from lightning_parallel.strategies import _failures, _partial, _sharding
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._full_shard import check_full
 from lightning_parallel.strategies._logging import MetricStepper
-from lightning_parallel.strategies._optimizers import Replaced, drop_parameters, replace_parameters
+from lightning_parallel.strategies._optimizers import Replaced, avoid_mixed_foreach, drop_parameters, replace_parameters
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
@@ -380,6 +380,7 @@ class HybridParallelStrategy(
         if trainer.state.fn == "fit":
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
 
     def _check_module(self, lm: LightningModule) -> None:
         """Refuse what this strategy cannot run (before anything is placed)."""
@@ -548,6 +549,7 @@ class HybridParallelStrategy(
         def closure_then_sync() -> Any:
             out = closure()  # forward + backward of the step (or of the whole pipeline schedule)
             self.sync_gradients(optimizer)  # before the precision plugin clips and steps
+            avoid_mixed_foreach(optimizer)  # the closure runs inside optimizer.step, before its update
             return out
 
         if not self._sharded:

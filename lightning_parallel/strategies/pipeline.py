@@ -206,7 +206,14 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:
         self._find_replicated(lm, trunk)
-        self._report_placement(trunk.path, self._placement, parameter_bytes(lm))
+        self._report_pending = True
+
+    @override
+    def _shard_outer(self, lm: Any) -> None:
+        super()._shard_outer(lm)
+        if getattr(self, "_report_pending", False):  # what each rank holds once the outer part is sharded
+            self._report_pending = False
+            self._report_placement(self.runtime.trunk.path, self._placement, parameter_bytes(lm))  # type: ignore[union-attr]
 
     def _find_replicated(self, lm: Any, trunk: Trunk) -> None:
         """The pre/post-trunk parameters (every stage holds them), by name: sharding replaces the objects."""
@@ -377,6 +384,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         if lm is not None:
             state = lm._trainer.state if lm._trainer is not None else None
             fit_done = state is not None and state.fn == "fit" and state.status == "running"
+            self._outer_to_rest()  # a fit that stopped while gradients accumulated (max_time=, should_stop)
             if fit_done and any(t.is_meta for t in [*lm.parameters(), *lm.buffers()]):
                 _partial.guard(lm, self._partial_message(lm))
         super().teardown()

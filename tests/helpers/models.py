@@ -89,7 +89,8 @@ class HFStyleDecoder(L.LightningModule):
     def configure_optimizers(self):
         if self.opt == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        # "adamw-foreach": torch's multi-tensor kernels, its default on CUDA
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=self.opt == "adamw-foreach" or None)
 
 
 def _truncating_collate(samples):

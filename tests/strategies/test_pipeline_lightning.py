@@ -151,8 +151,11 @@ def test_hf_use_cache_forced_off_and_parameter_bytes_per_stage():
     full, _ = build("hf", 4, "adamw")
     total = sum(p.numel() * p.element_size() for p in full.double().parameters())
     block = sum(p.numel() * p.element_size() for p in full.model.layers.parameters())
-    # each stage holds half the blocks plus the replicated embedding/head/norm
-    assert bytes0[0] == bytes0[1] == total - block // 2
+    # each stage holds half the blocks and its shard of the embedding, head and norm: every byte once, halved
+    # (to a row of each tensor outside the trunk: odd sizes shard unevenly)
+    assert bytes0[0] + bytes0[1] == total
+    assert abs(bytes0[0] - bytes0[1]) <= 0.01 * total, (bytes0, total)
+    assert bytes0[0] < total - block // 2  # less than the blocks' half plus the whole outer part
 
 
 def _bf16(rank, world_size, pipelined):

@@ -6,6 +6,7 @@ metrics test, checkpoints `test_checkpoints.py`'s."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy
@@ -142,3 +143,77 @@ def test_a_checkpoint_saved_inside_validation_holds_every_parameter_and_its_opti
             torch.testing.assert_close(on_disk[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
         if i >= 1:  # after the first optimizer step: every parameter's AdamW state, by name
             assert set(optimizer["state"]) == names
+
+
+def test_foreach_optimizers_and_clipping_by_value_step_shards_next_to_plain_parameters():
+    """The sharded embedding (DTensors) and the plain blocks share one param group: torch's foreach kernels
+    (its optimizers' default on CUDA, and ``clip_grad_value_``'s everywhere) refuse such a list, so the
+    group steps tensor by tensor and clipping by value clamps each local gradient, with parity."""
+    kwargs = dict(optimizer="adamw-foreach", gradient_clip_val=0.002, gradient_clip_algorithm="value")
+    assert_parity("gpt", _pp(), 2, data_parallel_size=1, **kwargs)
+
+
+def test_foreach_optimizers_and_clipping_by_value_under_tensor_parallelism():
+    """The same mix under tensor parallelism: sharded block and vocabulary parameters, plain norms."""
+    from lightning_parallel import HybridParallelStrategy
+
+    kwargs = dict(optimizer="adamw-foreach", gradient_clip_val=0.002, gradient_clip_algorithm="value")
+    make = lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)  # noqa: E731
+    assert_parity("gpt", make, 2, data_parallel_size=1, **kwargs)
+
+
+def _validate_then_fit(rank, world_size, helix, validate_first):
+    import lightning as L
+
+    module, data = build("llama", 8, "adamw")
+    strategy = HelixParallelStrategy(pipeline_parallel_size=2) if helix else _pp()()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=1,
+    )  # fmt: skip
+    if validate_first:  # set up once for validation (the outer part is sharded there), then again for fit
+        trainer.validate(module, datamodule=data)
+    trainer.fit(module, datamodule=data)
+    return {k: v for k, v in trainer.strategy.gather_named_parameters().items()}
+
+
+@pytest.mark.parametrize("helix", [False, True], ids=["pipeline", "helix"])
+def test_validate_then_fit_with_one_strategy_trains_like_fit_alone(helix):
+    """A second set-up must not broadcast the stored shards as if every stage held the same values."""
+    alone = run_distributed(_validate_then_fit, 2, helix, False, init_process_group=False)[0]
+    after = run_distributed(_validate_then_fit, 2, helix, True, init_process_group=False)[0]
+    assert alone.keys() == after.keys()
+    for k in alone:
+        torch.testing.assert_close(after[k], alone[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _stop_mid_accumulation(rank, world_size):
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    module, data = build("llama", 8, "adamw")
+
+    class StopAfterFirstBatch(L.Callback):  # what max_time= or an early stop does between two batches
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = True
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=_pp()(), max_steps=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=1, accumulate_grad_batches=2, callbacks=[StopAfterFirstBatch()],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    steps = trainer.global_step
+    outer = {n: isinstance(p, DTensor) for n, p in module.named_parameters() if not n.startswith("layers.")}
+    before = trainer.strategy.gather_named_parameters()
+    trainer.validate(module, datamodule=data)  # set up again: every stage must agree on what it broadcasts
+    after = trainer.strategy.gather_named_parameters()
+    return steps, outer, trainer.strategy._outer_state, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_fit_stopped_while_gradients_accumulate_leaves_the_shards_in_the_module():
+    for steps, outer, state, unchanged in run_distributed(_stop_mid_accumulation, 2, init_process_group=False):
+        assert steps == 0  # stopped after the first of two accumulated batches: no optimizer step
+        assert state == "rest" and all(outer.values()), outer
+        assert unchanged  # validation changes nothing
