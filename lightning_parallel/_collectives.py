@@ -206,6 +206,51 @@ def all_gather_flat(mine: Tensor, group: ProcessGroup) -> Tensor:
     return out
 
 
+def gather_rows(mine: Tensor, rows: int, group: ProcessGroup, dsts: list[int]) -> Tensor | None:
+    """The whole tensor of ``rows`` rows cut in dim 0 over ``group`` (group rank i holds chunk i of
+    ``ceil(rows / size)`` rows, the last ones shorter or empty, as ``torch.chunk`` and DTensor's ``Shard(0)``
+    cut it) on each global rank in ``dsts``, ``None`` on the others, which only send their chunk: one
+    gather per destination."""
+    size = dist.get_world_size(group)
+    c = -(-rows // size)
+    padded = _pad_rows(mine, c)
+    me, out = dist.get_rank(), None
+    for dst in dsts:
+        if me == dst:
+            buf = mine.new_empty((size * c, *mine.shape[1:]))
+            dist.gather(padded, list(buf.split(c)), dst=dst, group=group)
+            out = buf[:rows]
+        else:
+            dist.gather(padded, None, dst=dst, group=group)
+    return out
+
+
+def scatter_rows_sum(whole: Tensor | None, like: Tensor, rows: int, group: ProcessGroup, srcs: list[int]) -> Tensor:
+    """This rank's chunk (shaped like ``like``, cut as in :func:`gather_rows`) of the sum over the global ranks
+    in ``srcs``, in that order, of their ``whole`` tensor of ``rows`` rows (read on ``srcs`` only): one
+    scatter per source."""
+    size = dist.get_world_size(group)
+    c = -(-rows // size)
+    recv, out, me = like.new_empty((c, *like.shape[1:])), None, dist.get_rank()
+    for src in srcs:
+        parts = None
+        if me == src:
+            assert whole is not None
+            parts = [_pad_rows(p, c) for p in whole.split(c)]
+            parts += [whole.new_zeros((c, *whole.shape[1:]))] * (size - len(parts))
+        dist.scatter(recv, parts, src=src, group=group)
+        mine = recv[: like.shape[0]]
+        out = mine.clone() if out is None else out.add_(mine)
+    assert out is not None
+    return out
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    if t.shape[0] == rows:
+        return t.contiguous()
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
 def gather_object_to_zero(obj: object) -> list | None:
     """Every rank's ``obj`` on global rank 0 (``None`` elsewhere); ``[obj]`` without a process group."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -12,13 +12,15 @@ the first stage (which runs chunk 0) runs the pre-trunk ones, the loss stage the
 parameter both parts use (a tied embedding and head); one the step does not use, and every one when a
 block's side argument is computed from one (the blocks need the values everywhere), runs on every stage.
 
-1. a training step starts: every rank all-gathers each sharded parameter; the stages that run it put
-   the whole tensor in the module (a plain parameter, so the user's code runs unchanged); the others a
-   ``meta`` one, a stride-0 NaN placeholder while the schedule runs (:func:`outer.placeholders`);
-2. after the schedule (and any gradient accumulation), ``sync_gradients`` reduce-scatters the gradient
-   over the same mesh: the sum over the stages that used the parameter (a tied pair's two halves) and,
-   over dp, the mean; the module gets the shard back with that gradient, so clipping and the optimizer
-   see shards only;
+1. a training step starts: the ranks whose stage runs a sharded parameter gather it whole (one gather
+   each; an all-gather when every rank runs it) and put it in the module (a plain parameter, so the
+   user's code runs unchanged); the others only send their shard and hold a ``meta`` one, a stride-0 NaN
+   placeholder while the schedule runs (:func:`outer.placeholders`);
+2. after the schedule (and any gradient accumulation), ``sync_gradients`` reduces the gradient onto the
+   shards over the same mesh (one scatter from each running rank, summed; a reduce-scatter when every
+   rank ran it): the sum over the stages that used the parameter (a tied pair's two halves) and, over
+   dp, the mean; the module gets the shard back with that gradient, so clipping and the optimizer see
+   shards only;
 3. an evaluation loop runs the user's code on every stage in lock-step: its start gathers every sharded
    parameter on every stage, its end puts the shards back.
 
@@ -67,6 +69,7 @@ class StageLocalMixin:
     def _init_stage_local(self) -> None:
         self._sharded_outer, self._outer_decided, self._outer_state, self._freed_outer = [], False, "rest", []
         self._outer_mesh_of: Optional[tuple[Any, DeviceMesh]] = None
+        self._stage_of_rank: dict[int, list[tuple[int, int]]] = {}  # id(mesh group) -> (global rank, its stage)
 
     @property
     def first_stage(self) -> int:
@@ -177,11 +180,15 @@ class StageLocalMixin:
             return
         lm, self._freed_outer = self.lightning_module, []  # type: ignore[attr-defined]
         for s in self._sharded_outer:
-            whole = s.shard.full_tensor()
-            if self.stage in s.holders:  # type: ignore[attr-defined]
+            runs = self._running_ranks(s)
+            if runs is None:  # every rank runs it: one all-gather
+                whole: Optional[Tensor] = s.shard.full_tensor()
+            else:  # only the running ranks receive it; the others send their shard and allocate nothing
+                group = s.shard.device_mesh.get_group()
+                whole = _collectives.gather_rows(s.shard.to_local(), s.shard.shape[0], group, runs)
+            if whole is not None:
                 param = nn.Parameter(whole, requires_grad=s.shard.requires_grad)
             else:
-                del whole
                 param = nn.Parameter(torch.empty(s.shard.shape, dtype=s.shard.dtype, device="meta"), s.shard.requires_grad)
                 self._freed_outer.append(param)
             param.__dict__.update({k: v for k, v in s.shard.__dict__.items()})
@@ -199,15 +206,35 @@ class StageLocalMixin:
         used = _collectives.any_over_group([p.grad is not None for p in steps], group)
         dp = self.parallel_dims.dp if self._fully_sharded else 1  # type: ignore[attr-defined]
         for s, p, u in zip(self._sharded_outer, steps, used):
-            mesh = s.shard.device_mesh
+            mesh, runs = s.shard.device_mesh, self._running_ranks(s)
             if u:
-                grad = p.grad if p.grad is not None else torch.zeros(s.shard.shape, dtype=s.shard.dtype, device=s.shard.device)
-                reduced = DTensor.from_local(grad, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(0)])
+                grad = p.grad
+                if grad is None and not p.is_meta:  # a running stage that did not use it this step
+                    grad = torch.zeros(s.shard.shape, dtype=s.shard.dtype, device=s.shard.device)
+                if runs is None:  # every rank ran it: one reduce-scatter
+                    reduced = DTensor.from_local(grad, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(0)])
+                else:  # the running ranks scatter their gradient; the others receive their chunk only
+                    shard = s.shard.to_local()
+                    chunk = _collectives.scatter_rows_sum(grad, shard, s.shard.shape[0], mesh.get_group(), runs)
+                    reduced = DTensor.from_local(chunk, mesh, [Shard(0)], run_check=False, shape=s.shard.shape,
+                                                 stride=s.shard.stride())  # fmt: skip
                 if dp > 1:
                     reduced.to_local().div_(dp)  # the dp mean (FSDP's units average too)
                 s.shard.grad = reduced if s.shard.grad is None else s.shard.grad + reduced
             _install(lm, s.names, s.shard)
         self._freed_outer, self._outer_state, self._outer_ids = [], "rest", None
+
+    def _running_ranks(self, s: ShardedOuter) -> Optional[list[int]]:
+        """The global ranks of ``s``'s mesh whose stage runs it in a training step, in group order; ``None``
+        when that is every rank of the mesh."""
+        group = s.shard.device_mesh.get_group()
+        key = id(group)
+        if key not in self._stage_of_rank:
+            ranks = _collectives.group_ranks(group)
+            stages = _collectives.all_gather_object(self.stage, group)  # type: ignore[attr-defined]
+            self._stage_of_rank[key] = list(zip(ranks, stages))
+        runs = [r for r, stage in self._stage_of_rank[key] if stage in s.holders]
+        return None if len(runs) == len(self._stage_of_rank[key]) else runs
 
     @contextmanager
     def _outer_at_rest(self) -> Iterator[None]:

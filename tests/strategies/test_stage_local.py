@@ -217,3 +217,29 @@ def test_a_fit_stopped_while_gradients_accumulate_leaves_the_shards_in_the_modul
         assert steps == 0  # stopped after the first of two accumulated batches: no optimizer step
         assert state == "rest" and all(outer.values()), outer
         assert unchanged  # validation changes nothing
+
+
+def _rows(rank, world_size):
+    import torch.distributed as dist
+
+    from lightning_parallel import _collectives
+
+    full = torch.arange(7 * 2, dtype=torch.float64).view(7, 2)
+    chunks = list(full.chunk(world_size))  # DTensor's Shard(0) cut: 3, 3, 1 rows
+    mine = chunks[rank] if rank < len(chunks) else full[:0]
+    whole = _collectives.gather_rows(mine, 7, dist.group.WORLD, [2, 0])
+    grad = full * (rank + 1) if rank in (0, 2) else None
+    summed = _collectives.scatter_rows_sum(grad, mine, 7, dist.group.WORLD, [0, 2])
+    return whole, summed, mine
+
+
+def test_gather_rows_and_scatter_rows_sum_reach_only_the_ranks_that_run_the_parameter():
+    """The step's gather and reduction when only some ranks run a parameter (the embedding on the first
+    stage): the running ranks get the whole tensor, the others send their shard only; each rank gets its
+    chunk of the running ranks' summed gradients."""
+    for rank, (whole, summed, mine) in enumerate(run_distributed(_rows, 3)):
+        if rank in (0, 2):
+            torch.testing.assert_close(whole, torch.arange(14, dtype=torch.float64).view(7, 2), rtol=0, atol=0)
+        else:
+            assert whole is None
+        torch.testing.assert_close(summed, mine * 4, rtol=0, atol=0)  # 1x + 3x the full tensor, this chunk
