@@ -9,11 +9,14 @@ Lightning's loaders read sharded checkpoint directories (:mod:`lightning_paralle
 
 from lightning_parallel import _grad_norm, _loading, _throughput
 from lightning_parallel.mesh import AXES, ParallelDims
+from lightning_parallel.pretrained import load_pretrained
 from lightning_parallel.strategies import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 
 _loading.install()
 _throughput.install()
 _grad_norm.install()
 
-__all__ = ["AXES", "HelixParallelStrategy", "HybridParallelStrategy", "ParallelDims", "PipelineParallelStrategy"]
+__all__ = [
+    "AXES", "HelixParallelStrategy", "HybridParallelStrategy", "ParallelDims", "PipelineParallelStrategy", "load_pretrained",
+]  # fmt: skip
 __version__ = "0.1.0"

@@ -42,12 +42,32 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _reset(module: nn.Module) -> Optional[Callable[[], Any]]:
+def _reset(module: nn.Module, owners: dict[int, nn.Module]) -> Optional[Callable[[], Any]]:
+    """How ``module`` initialises what it owns: inside a Hugging Face model, that model's own
+    ``_init_weights(module)`` (what ``from_config`` runs: its init scheme, and the rotary tables, which have
+    no ``reset_parameters()``); otherwise torch's convention, ``reset_parameters()``."""
+    hf = owners.get(id(module))
+    if hf is not None:
+        return lambda: hf._init_weights(module)  # type: ignore[operator]
     for attr in ("reset_parameters", "_reset_parameters"):
         fn = getattr(module, attr, None)
         if callable(fn):
             return fn
     return None
+
+
+def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
+    """id(module) -> the innermost Hugging Face ``PreTrainedModel`` holding it (none without transformers)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return {}
+    owners: dict[int, nn.Module] = {}
+    for m in root.modules():  # parents first: an inner model overwrites its parent's entries
+        if isinstance(m, transformers.PreTrainedModel) and callable(getattr(m, "_init_weights", None)):
+            owners.update({id(sub): m for sub in m.modules()})
+    return owners
 
 
 def _direct(module: nn.Module) -> Iterable[tuple[str, Tensor, bool]]:
@@ -130,9 +150,10 @@ def materialize_(
                 owns = True
         if owns:
             owners.append((prefix, module))
+    hf = _hugging_face_owners(root)
     with _forked_rng(device):
         for prefix, module in owners:
-            reset = _reset(module)
+            reset = _reset(module, hf)
             if reset is not None:
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
@@ -167,9 +188,10 @@ def initialize_(root: nn.Module, seed: int) -> None:
     """Re-initialise every module of ``root`` (materialised, on one process) by the rule of
     :func:`materialize_`: the values a deferred layout gives the same model with the same seed."""
     device = next((t.device for t in [*root.parameters(), *root.buffers()]), torch.device("cpu"))
+    hf = _hugging_face_owners(root)
     with _forked_rng(device):
         for prefix, module in root.named_modules():
-            if any(True for _ in _direct(module)) and (reset := _reset(module)) is not None:
+            if any(True for _ in _direct(module)) and (reset := _reset(module, hf)) is not None:
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
                     reset()

@@ -203,21 +203,24 @@ class HFCausalLM(L.LightningModule):
         optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        self.family, self.vocab_size, self.num_layers = family, vocab_size, num_layers
+        self.model = self._make()
+        self.lr, self.opt = lr, optimizer
+
+    def _make(self) -> nn.Module:
         import transformers
 
-        if family == "llama":
+        if self.family == "llama":
             config = transformers.LlamaConfig(
-                vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                vocab_size=self.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=self.num_layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             )  # fmt: skip
-            self.model = transformers.LlamaForCausalLM(config)
-        else:
-            config = transformers.GPT2Config(
-                vocab_size=vocab_size, n_embd=32, n_layer=num_layers, n_head=4, n_positions=64,
-                attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-            )  # fmt: skip
-            self.model = transformers.GPT2LMHeadModel(config)
-        self.lr, self.opt = lr, optimizer
+            return transformers.LlamaForCausalLM(config)
+        config = transformers.GPT2Config(
+            vocab_size=self.vocab_size, n_embd=32, n_layer=self.num_layers, n_head=4, n_positions=64,
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
@@ -261,6 +264,27 @@ class NoAttentionLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class DeferredHFCausalLM(HFCausalLM):
+    """The Hugging Face model built in ``configure_model``: on the meta device under the lightning-parallel
+    strategies (its rotary tables have no ``reset_parameters()``; the model's own ``_init_weights`` makes
+    them), eagerly on one device."""
+
+    def __init__(self, family: str = "llama", vocab_size: int = 65, num_layers: int = 8, lr: float = 1e-3,
+                 optimizer: str = "adamw") -> None:  # fmt: skip
+        L.LightningModule.__init__(self)
+        self.family, self.vocab_size, self.num_layers = family, vocab_size, num_layers
+        self.lr, self.opt = lr, optimizer
+
+    def configure_model(self) -> None:
+        from contextlib import nullcontext
+
+        from lightning_parallel import HybridParallelStrategy
+
+        if not hasattr(self, "model"):
+            with torch.device("meta") if isinstance(self.trainer.strategy, HybridParallelStrategy) else nullcontext():
+                self.model = self._make()
 
 
 class DeferredGPT(GPT):

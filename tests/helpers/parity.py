@@ -110,6 +110,12 @@ def build(
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         return HFCausalLM(model[3:], vocab_size=data.vocab_size, lr=kwargs["lr"], optimizer=optimizer), data
+    if model in ("hf-llama-deferred", "hf-gpt2-deferred"):
+        from tests.helpers.models import DeferredHFCausalLM
+
+        data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
+        family = model[3:].removesuffix("-deferred")
+        return DeferredHFCausalLM(family, vocab_size=data.vocab_size, lr=kwargs["lr"], optimizer=optimizer), data
     if model == "twice":
         from tests.helpers.models import TwoPassGPT
 
@@ -243,7 +249,7 @@ def reference(model: str, dtype: str, optimizer: str, steps: int, global_batch: 
     )
 
 
-DEFERRED = ("gpt-deferred", "gpt-empty-init")
+DEFERRED = ("gpt-deferred", "gpt-empty-init", "hf-llama-deferred", "hf-gpt2-deferred")
 
 
 class _DeferredReference(L.Callback):

@@ -250,3 +250,31 @@ def test_setup_holds_its_share_plus_one_block(layout):
     for peak, share, block, total in run_distributed(_setup_peak, 2, layout, init_process_group=False):
         assert 0.45 * total < share < 0.55 * total  # the rank holds about half of the model
         assert 0.9 * share <= peak <= share + extra * block, (peak / 2**20, share / 2**20, block / 2**20)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_deferred_hugging_face_model_is_initialised_by_its_own_init_weights(family):
+    """Inside a Hugging Face model every module is initialised by that model's ``_init_weights`` (what
+    ``from_config`` runs): its normal(0, initializer_range) weights, and the rotary tables, which no
+    ``reset_parameters()`` computes. The values then match the eager model's rules, not torch's defaults."""
+    from lightning_parallel.materialize import check_set, materialize_
+    from tests.helpers.models import DeferredHFCausalLM
+
+    eager = DeferredHFCausalLM(family)
+    eager.model = eager._make()
+    deferred = DeferredHFCausalLM(family)
+    with torch.device("meta"):
+        deferred.model = deferred._make()
+    record = materialize_(deferred, torch.device("cpu"), seed=0)
+    assert check_set(record) is None
+    for (name, got), (_, want) in zip(deferred.named_buffers(), eager.named_buffers()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")  # rotary
+    std = eager.model.config.initializer_range
+    head = deferred.model.lm_head.weight if family == "llama" else deferred.model.transformer.h[0].mlp.c_fc.weight
+    assert abs(float(head.detach().std()) - std) < 0.25 * std  # HF's scheme (torch's kaiming default would be ~0.1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_deferred_hugging_face_model_trains_with_parity_under_pipeline(family):
+    make = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)  # noqa: E731
+    assert_parity(f"hf-{family}-deferred", make, 2, data_parallel_size=1)

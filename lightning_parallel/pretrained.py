@@ -1,0 +1,120 @@
+"""Load a Hugging Face ``save_pretrained`` directory (safetensors, one file or an index of several) into a
+model that a lightning-parallel strategy has placed: each rank reads only the tensors it holds, one at a
+time, and copies its part (a pipeline stage skips the other stages' blocks; a shard of tensor, full data or
+stage-sharded parallelism takes its slice), so no rank builds or reads the whole model.
+
+Call it once the strategy has set the model up, e.g. in ``on_fit_start``; with a model built on the meta
+device in ``configure_model`` (deferred initialisation) the tensors it loads count as initialised::
+
+    def configure_model(self):
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config)
+
+    def on_fit_start(self):
+        lightning_parallel.load_pretrained(self.model, "path/to/save_pretrained_dir", self.trainer)
+
+Under any other strategy (one device, Lightning's own) it loads the whole directory into ``module``.
+Values are copied as stored, cast to each tensor's dtype. Strict: a tensor of ``module`` the directory
+lacks is an error, unless it is the same parameter as one it has (a tied head, which ``save_pretrained``
+writes once); keys the module does not have are returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.anatomy.base import ConfigurationError
+
+
+def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optional[Any] = None) -> list[str]:
+    """Copy the tensors of the ``save_pretrained`` directory ``path`` into ``module`` (see the module
+    docstring); returns the directory's keys ``module`` does not have. ``trainer``: the ``Trainer`` (or its
+    strategy) that set ``module`` up; default, the trainer of ``module`` if it is a LightningModule."""
+    from safetensors import safe_open
+
+    files = _files(os.fspath(path))
+    targets = module.state_dict(keep_vars=True)
+    prefix, convert = _placement(module, getattr(trainer, "strategy", trainer))
+    objects = {}
+    for name, t in targets.items():
+        objects.setdefault(id(t), []).append(name)
+    found: set[int] = set()
+    unused: list[str] = []
+    by_file: dict[str, list[str]] = {}
+    for key, file in files.items():
+        by_file.setdefault(file, []).append(key)
+    with torch.no_grad():
+        for file, keys in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in keys:
+                    target = targets.get(key)
+                    if target is None:
+                        unused.append(key)
+                        continue
+                    found.add(id(target))
+                    if target.is_meta:  # another pipeline stage's block: not read
+                        continue
+                    value = f.get_tensor(key)
+                    if tuple(value.shape) != tuple(target.shape):
+                        raise ConfigurationError(
+                            f"{os.fspath(path)}: {key!r} has shape {tuple(value.shape)}, the model's"
+                            f" {tuple(target.shape)}"
+                        )
+                    _copy_(target, value, prefix + key, convert)
+    missing = [names[0] for i, names in objects.items() if i not in found]
+    if missing:
+        raise ConfigurationError(
+            f"{os.fspath(path)} lacks {len(missing)} tensor(s) of {type(module).__name__}: {sorted(missing)[:8]}"
+        )
+    return sorted(unused)
+
+
+def _files(path: str) -> dict[str, str]:
+    """key -> the safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ConfigurationError(
+            f"{path!r} holds neither model.safetensors nor model.safetensors.index.json (a save_pretrained"
+            " directory written with safe_serialization=True, the default)"
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return {k: single for k in f.keys()}
+
+
+def _placement(module: nn.Module, strategy: Optional[Any]) -> tuple[str, Any]:
+    """The module's prefix inside the LightningModule and the strategy's conversion of a whole tensor to
+    one placed like a DTensor parameter (``None`` outside lightning-parallel)."""
+    from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+
+    if strategy is None:
+        trainer = getattr(module, "_trainer", None)
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if not isinstance(strategy, HybridParallelStrategy) or strategy.lightning_module is None:
+        return "", None
+    lm = strategy.lightning_module
+    prefix = next((f"{n}." for n, m in lm.named_modules() if m is module and n), "")
+    if prefix == "" and module is not lm:
+        raise ConfigurationError(f"{type(module).__name__} is not part of {type(lm).__name__}, the strategy's module")
+    return prefix, strategy._in_memory
+
+
+def _copy_(target: Tensor, value: Tensor, name: str, convert: Any) -> None:
+    if isinstance(target, DTensor):
+        if convert is None:
+            raise ConfigurationError(f"{name!r} is a DTensor but no lightning-parallel strategy placed it")
+        target.to_local().copy_(convert(name, value.to(target.dtype), target).to_local())
+    else:
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
