@@ -11,7 +11,9 @@ the rest, which
 2. initialises module by module: each module that directly owns a materialised tensor runs its own
    ``reset_parameters()`` (``_reset_parameters()`` for ``nn.MultiheadAttention``), the convention of
    torch's modules that FSDP and Lightning's ``ModelParallelStrategy`` also rely on, under a generator
-   seeded from ``(seed, the module's qualified name)`` (:func:`module_seed`);
+   seeded from ``(seed, the module's qualified name)`` (:func:`module_seed`); then, inside a Hugging
+   Face model, that model's own ``_init_weights`` on each module, children first (its scheme, and the
+   rotary tables no ``reset_parameters()`` computes), as building it eagerly does;
 3. once any checkpoint has been restored (``ckpt_path=``: Lightning restores after set-up), refuses,
    naming them, the tensors nothing wrote (:func:`check_set`; a tensor's version counter counts its
    writes, so integer buffers are caught too): a module without ``reset_parameters()``, a buffer its
@@ -42,13 +44,7 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _reset(module: nn.Module, owners: dict[int, nn.Module]) -> Optional[Callable[[], Any]]:
-    """How ``module`` initialises what it owns: inside a Hugging Face model, that model's own
-    ``_init_weights(module)`` (what ``from_config`` runs: its init scheme, and the rotary tables, which have
-    no ``reset_parameters()``); otherwise torch's convention, ``reset_parameters()``."""
-    hf = owners.get(id(module))
-    if hf is not None:
-        return lambda: hf._init_weights(module)  # type: ignore[operator]
+def _reset(module: nn.Module) -> Optional[Callable[[], Any]]:
     for attr in ("reset_parameters", "_reset_parameters"):
         fn = getattr(module, attr, None)
         if callable(fn):
@@ -68,6 +64,35 @@ def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
         if isinstance(m, transformers.PreTrainedModel) and callable(getattr(m, "_init_weights", None)):
             owners.update({id(sub): m for sub in m.modules()})
     return owners
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def _hugging_face_init(root: nn.Module, held: set[int], seed: int, fresh: set[int]) -> None:
+    """After torch's ``reset_parameters()``, what building a Hugging Face model runs next: the model's own
+    ``_init_weights`` on every module inside it, children before parents (as
+    ``PreTrainedModel.initialize_weights`` walks them: a parent may rescale its children, GPT-2's attention
+    its output projection), each under a seed from its name. This gives the model's scheme (normal with
+    ``initializer_range``) and what no ``reset_parameters()`` computes (the rotary tables). A module
+    (of ``held``) whose tensors are not all ones this call created (``fresh``; sharded or restored before)
+    is left alone: re-initialising it would overwrite them."""
+    owners = _hugging_face_owners(root)
+    if not owners:
+        return
+    for prefix, module in _post_order(root):
+        hf = owners.get(id(module))
+        if hf is None or id(module) not in held:
+            continue
+        tensors = [t for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
+        if not tensors or any(id(t) not in fresh for t in tensors):
+            continue
+        torch.manual_seed(module_seed(seed, f"hugging_face:{prefix}"))
+        with torch.no_grad():
+            hf._init_weights(module)  # type: ignore[operator]
 
 
 def _direct(module: nn.Module) -> Iterable[tuple[str, Tensor, bool]]:
@@ -150,14 +175,14 @@ def materialize_(
                 owns = True
         if owns:
             owners.append((prefix, module))
-    hf = _hugging_face_owners(root)
     with _forked_rng(device):
         for prefix, module in owners:
-            reset = _reset(module, hf)
+            reset = _reset(module)
             if reset is not None:
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
                     reset()
+        _hugging_face_init(root, {id(m) for _, m in held}, seed, {id(t) for t in fresh.values()})
     return record
 
 
@@ -188,10 +213,11 @@ def initialize_(root: nn.Module, seed: int) -> None:
     """Re-initialise every module of ``root`` (materialised, on one process) by the rule of
     :func:`materialize_`: the values a deferred layout gives the same model with the same seed."""
     device = next((t.device for t in [*root.parameters(), *root.buffers()]), torch.device("cpu"))
-    hf = _hugging_face_owners(root)
     with _forked_rng(device):
         for prefix, module in root.named_modules():
-            if any(True for _ in _direct(module)) and (reset := _reset(module, hf)) is not None:
+            if any(True for _ in _direct(module)) and (reset := _reset(module)) is not None:
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
                     reset()
+        everything = {id(t) for t in [*root.parameters(), *root.buffers()]}
+        _hugging_face_init(root, {id(m) for m in root.modules()}, seed, everything)

@@ -1,7 +1,9 @@
 """Load a Hugging Face ``save_pretrained`` directory (safetensors, one file or an index of several) into a
 model that a lightning-parallel strategy has placed: each rank reads only the tensors it holds, one at a
 time, and copies its part (a pipeline stage skips the other stages' blocks; a shard of tensor, full data or
-stage-sharded parallelism takes its slice), so no rank builds or reads the whole model.
+stage-sharded parallelism takes its slice), so no rank builds the whole model, and a pipeline stage does
+not read the others' blocks. (Helix holds every block until its first step, so it reads them all then;
+a shard reads its whole tensor once and keeps its slice.)
 
 Call it once the strategy has set the model up, e.g. in ``on_fit_start``; with a model built on the meta
 device in ``configure_model`` (deferred initialisation) the tensors it loads count as initialised::
@@ -16,7 +18,10 @@ device in ``configure_model`` (deferred initialisation) the tensors it loads cou
 Under any other strategy (one device, Lightning's own) it loads the whole directory into ``module``.
 Values are copied as stored, cast to each tensor's dtype. Strict: a tensor of ``module`` the directory
 lacks is an error, unless it is the same parameter as one it has (a tied head, which ``save_pretrained``
-writes once); keys the module does not have are returned.
+writes once; if the directory holds both names, they must be equal); keys the module does not have are
+returned. Refused: a model not placed yet (on meta: call it after set-up, not in ``configure_model``), and
+a pipeline step or evaluation loop in progress (its whole copies of the embedding and head would be
+loaded, not the stored shards).
 """
 
 from __future__ import annotations
@@ -40,11 +45,13 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
 
     files = _files(os.fspath(path))
     targets = module.state_dict(keep_vars=True)
-    prefix, convert = _placement(module, getattr(trainer, "strategy", trainer))
+    strategy = getattr(trainer, "strategy", trainer)
+    prefix, convert = _placement(module, strategy)
+    _check_placed(module, targets, strategy if convert is not None else None)
     objects = {}
     for name, t in targets.items():
         objects.setdefault(id(t), []).append(name)
-    found: set[int] = set()
+    found: dict[int, str] = {}  # id(tensor) -> the key it was loaded from
     unused: list[str] = []
     by_file: dict[str, list[str]] = {}
     for key, file in files.items():
@@ -57,7 +64,7 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
                     if target is None:
                         unused.append(key)
                         continue
-                    found.add(id(target))
+                    first = found.setdefault(id(target), key)
                     if target.is_meta:  # another pipeline stage's block: not read
                         continue
                     value = f.get_tensor(key)
@@ -66,6 +73,13 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
                             f"{os.fspath(path)}: {key!r} has shape {tuple(value.shape)}, the model's"
                             f" {tuple(target.shape)}"
                         )
+                    if first != key:  # a tied pair stored under both names: they must agree
+                        if not _equal(target, value, prefix + key, convert):
+                            raise ConfigurationError(
+                                f"{os.fspath(path)}: {key!r} and {first!r} are one (tied) parameter of the model"
+                                " but hold different values"
+                            )
+                        continue
                     _copy_(target, value, prefix + key, convert)
     missing = [names[0] for i, names in objects.items() if i not in found]
     if missing:
@@ -73,6 +87,23 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
             f"{os.fspath(path)} lacks {len(missing)} tensor(s) of {type(module).__name__}: {sorted(missing)[:8]}"
         )
     return sorted(unused)
+
+
+def _check_placed(module: nn.Module, targets: dict[str, Tensor], strategy: Optional[Any]) -> None:
+    """Refuse a model no strategy has placed yet, and a pipeline step or evaluation in progress."""
+    meta = [n for n, t in targets.items() if t.is_meta]
+    pipeline = strategy is not None and hasattr(strategy, "_outer_state") and strategy.parallel_dims.pp > 1
+    if meta and (len(meta) == len(targets) or not pipeline):
+        raise ConfigurationError(
+            f"{len(meta)} tensor(s) of {type(module).__name__} are on the meta device (e.g. {meta[0]!r}): the model"
+            " is not placed yet; call load_pretrained after the strategy's set-up (e.g. in on_fit_start), with the"
+            " trainer"
+        )
+    if pipeline and strategy._outer_state != "rest":
+        raise ConfigurationError(
+            "load_pretrained during a pipeline training step or evaluation loop would load the step's copies of"
+            " the parameters outside the trunk, not their stored shards; call it in on_fit_start"
+        )
 
 
 def _files(path: str) -> dict[str, str]:
@@ -109,6 +140,12 @@ def _placement(module: nn.Module, strategy: Optional[Any]) -> tuple[str, Any]:
     if prefix == "" and module is not lm:
         raise ConfigurationError(f"{type(module).__name__} is not part of {type(lm).__name__}, the strategy's module")
     return prefix, strategy._in_memory
+
+
+def _equal(target: Tensor, value: Tensor, name: str, convert: Any) -> bool:
+    if isinstance(target, DTensor):
+        return torch.equal(target.to_local(), convert(name, value.to(target.dtype), target).to_local())
+    return torch.equal(target, value.to(device=target.device, dtype=target.dtype))
 
 
 def _copy_(target: Tensor, value: Tensor, name: str, convert: Any) -> None:

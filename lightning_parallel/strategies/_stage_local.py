@@ -24,8 +24,8 @@ block's side argument is computed from one (the blocks need the values everywher
 3. an evaluation loop runs the user's code on every stage in lock-step: its start gathers every sharded
    parameter on every stage, its end puts the shards back.
 
-Whole on every stage, the gradient summed over the pipeline group: 0-dim parameters, and parameters that
-are DTensors already (vocabulary-parallel ones under tensor parallelism).
+Whole on every stage, the gradient summed over the pipeline group: 0-dim (and 0-row) parameters, and
+parameters that are DTensors already (vocabulary-parallel ones under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class StageLocalMixin:
             return
         found: dict[int, tuple[nn.Parameter, list[str]]] = {}
         for n, p in lm.named_parameters(remove_duplicate=False):
-            if n in self._replicated_names and not p.is_meta and type(p) is nn.Parameter and p.dim() > 0:  # type: ignore[attr-defined]
+            if n in self._replicated_names and not p.is_meta and type(p) is nn.Parameter and p.dim() > 0 and len(p):  # type: ignore[attr-defined]
                 found.setdefault(id(p), (p, []))[1].append(n)
         everywhere = frozenset(range(self.parallel_dims.pp))  # type: ignore[attr-defined]
         for p, names in found.values():

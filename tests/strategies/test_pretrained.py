@@ -119,3 +119,44 @@ def test_a_directory_without_a_tensor_of_the_model_or_with_another_shape_is_refu
     other = DeferredHFCausalLM("llama", vocab_size=vocab + 8)._make()
     with pytest.raises(ConfigurationError, match=r"'lm_head.weight' has shape \(\d+, 32\), the model's"):
         load_pretrained(other, str(tmp_path))
+
+
+def test_a_model_still_on_meta_or_a_tied_pair_stored_twice_with_two_values_is_refused(tmp_path):
+    _saved("llama", str(tmp_path))
+    vocab = build("gpt", 4, "adamw")[1].vocab_size
+    with torch.device("meta"):
+        early = DeferredHFCausalLM("llama", vocab_size=vocab)._make()
+    with pytest.raises(ConfigurationError, match="on the meta device.*not placed yet.*on_fit_start"):
+        load_pretrained(early, str(tmp_path))  # e.g. called in configure_model
+    tied = DeferredHFCausalLM("llama", vocab_size=vocab)._make()
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # the directory holds two different matrices
+    with pytest.raises(ConfigurationError, match="one \\(tied\\) parameter of the model but hold different values"):
+        load_pretrained(tied, str(tmp_path))
+
+
+def _load_mid_step(rank, world_size, directory):
+    data = build("gpt", 4, "adamw")[1]
+
+    class LoadsLate(_Loading):
+        def on_fit_start(self) -> None:
+            pass
+
+        def on_train_batch_start(self, batch, batch_idx) -> None:
+            if batch_idx == 1:  # the second of two accumulated batches: the step's whole copies are in the module
+                load_pretrained(self.model, self.directory, self.trainer)
+
+    module = LoadsLate("llama", data.vocab_size, directory)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=LAYOUTS["pp2"][0](), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, accumulate_grad_batches=2,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+
+
+def test_loading_during_a_pipeline_step_is_refused(tmp_path):
+    from tests.helpers.distributed import RankFailed
+
+    _saved("llama", str(tmp_path))
+    with pytest.raises(RankFailed, match="during a pipeline training step or evaluation loop"):
+        run_distributed(_load_mid_step, 2, str(tmp_path), init_process_group=False, timeout=60)
