@@ -52,47 +52,33 @@ def _reset(module: nn.Module) -> Optional[Callable[[], Any]]:
     return None
 
 
-def _hugging_face_owners(root: nn.Module) -> dict[int, nn.Module]:
-    """id(module) -> the innermost Hugging Face ``PreTrainedModel`` holding it (none without transformers)."""
-    import sys
-
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
-        return {}
-    owners: dict[int, nn.Module] = {}
-    for m in root.modules():  # parents first: an inner model overwrites its parent's entries
-        if isinstance(m, transformers.PreTrainedModel) and callable(getattr(m, "_init_weights", None)):
-            owners.update({id(sub): m for sub in m.modules()})
-    return owners
-
-
 def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
     for name, child in module.named_children():
         yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
     yield prefix, module
 
 
-def _hugging_face_init(root: nn.Module, held: set[int], seed: int, fresh: set[int]) -> None:
-    """After torch's ``reset_parameters()``, what building a Hugging Face model runs next: the model's own
-    ``_init_weights`` on every module inside it, children before parents (as
-    ``PreTrainedModel.initialize_weights`` walks them: a parent may rescale its children, GPT-2's attention
-    its output projection), each under a seed from its name. This gives the model's scheme (normal with
-    ``initializer_range``) and what no ``reset_parameters()`` computes (the rotary tables). A module
-    (of ``held``) whose tensors are not all ones this call created (``fresh``; sharded or restored before)
-    is left alone: re-initialising it would overwrite them."""
-    owners = _hugging_face_owners(root)
-    if not owners:
+def _family_init(root: nn.Module, held: set[int], seed: int, fresh: set[int]) -> None:
+    """After torch's ``reset_parameters()``, what building a model of a known family runs next
+    (:func:`lightning_parallel.anatomy.families.family_initializers`: a Hugging Face model's own
+    ``_init_weights``), on every module of ``held`` it covers, children before parents (a parent may rescale
+    its children), each under a seed from its name. A module whose tensors are not all ones this call
+    created (``fresh``; sharded or restored before) is left alone: re-initialising it would overwrite them."""
+    from lightning_parallel.anatomy.families import family_initializers
+
+    initializers = family_initializers(root)
+    if not initializers:
         return
     for prefix, module in _post_order(root):
-        hf = owners.get(id(module))
-        if hf is None or id(module) not in held:
+        init = initializers.get(id(module))
+        if init is None or id(module) not in held:
             continue
         tensors = [t for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
         if not tensors or any(id(t) not in fresh for t in tensors):
             continue
         torch.manual_seed(module_seed(seed, f"hugging_face:{prefix}"))
         with torch.no_grad():
-            hf._init_weights(module)  # type: ignore[operator]
+            init(module)
 
 
 def _direct(module: nn.Module) -> Iterable[tuple[str, Tensor, bool]]:
@@ -182,7 +168,7 @@ def materialize_(
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
                     reset()
-        _hugging_face_init(root, {id(m) for _, m in held}, seed, {id(t) for t in fresh.values()})
+        _family_init(root, {id(m) for _, m in held}, seed, {id(t) for t in fresh.values()})
     return record
 
 
@@ -220,4 +206,4 @@ def initialize_(root: nn.Module, seed: int) -> None:
                 with torch.no_grad():
                     reset()
         everything = {id(t) for t in [*root.parameters(), *root.buffers()]}
-        _hugging_face_init(root, {id(m) for m in root.modules()}, seed, everything)
+        _family_init(root, {id(m) for m in root.modules()}, seed, everything)

@@ -92,14 +92,14 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
 def _check_placed(module: nn.Module, targets: dict[str, Tensor], strategy: Optional[Any]) -> None:
     """Refuse a model no strategy has placed yet, and a pipeline step or evaluation in progress."""
     meta = [n for n, t in targets.items() if t.is_meta]
-    pipeline = strategy is not None and hasattr(strategy, "_outer_state") and strategy.parallel_dims.pp > 1
+    pipeline = strategy is not None and hasattr(strategy, "outer_at_rest") and strategy.parallel_dims.pp > 1
     if meta and (len(meta) == len(targets) or not pipeline):
         raise ConfigurationError(
             f"{len(meta)} tensor(s) of {type(module).__name__} are on the meta device (e.g. {meta[0]!r}): the model"
             " is not placed yet; call load_pretrained after the strategy's set-up (e.g. in on_fit_start), with the"
             " trainer"
         )
-    if pipeline and strategy._outer_state != "rest":
+    if pipeline and not strategy.outer_at_rest:
         raise ConfigurationError(
             "load_pretrained during a pipeline training step or evaluation loop would load the step's copies of"
             " the parameters outside the trunk, not their stored shards; call it in on_fit_start"
@@ -139,7 +139,7 @@ def _placement(module: nn.Module, strategy: Optional[Any]) -> tuple[str, Any]:
     prefix = next((f"{n}." for n, m in lm.named_modules() if m is module and n), "")
     if prefix == "" and module is not lm:
         raise ConfigurationError(f"{type(module).__name__} is not part of {type(lm).__name__}, the strategy's module")
-    return prefix, strategy._in_memory
+    return prefix, strategy.placed_like
 
 
 def _equal(target: Tensor, value: Tensor, name: str, convert: Any) -> bool:

@@ -7,11 +7,14 @@ these families besides their anatomies):
   it is turned off.
 - ``nn.MultiheadAttention`` (and ``nn.TransformerEncoderLayer``) take a C++ fast path in inference that skips
   Python and passes nested tensors; it is turned off while blocks are driven (evaluation, capture).
+- Hugging Face models initialise their modules with their own ``_init_weights`` (their scheme, and the
+  rotary tables no ``reset_parameters()`` computes): deferred initialisation runs it too
+  (:func:`family_initializers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -35,3 +38,20 @@ def no_fast_paths() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(before)
+
+
+def family_initializers(root: nn.Module) -> dict[int, Callable[[nn.Module], None]]:
+    """id(module) -> how its family initialises it after the module's own ``reset_parameters()``: inside a
+    Hugging Face ``PreTrainedModel`` (the innermost), that model's ``_init_weights`` (what ``from_config``
+    runs). Empty without transformers."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return {}
+    out: dict[int, Callable[[nn.Module], None]] = {}
+    for m in root.modules():  # parents first: an inner model overwrites its parent's entries
+        init = getattr(m, "_init_weights", None) if isinstance(m, transformers.PreTrainedModel) else None
+        if callable(init):
+            out.update({id(sub): init for sub in m.modules()})
+    return out

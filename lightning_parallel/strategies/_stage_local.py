@@ -82,6 +82,12 @@ class StageLocalMixin:
         (every stage stores ``1 / pp`` of it); parameters not listed are whole on every stage."""
         return {n: tuple(sorted(s.holders)) for s in self._sharded_outer for n in s.names}
 
+    @property
+    def outer_at_rest(self) -> bool:
+        """Whether the module holds the stored shards (no training step or evaluation loop is using the whole
+        copies of the parameters outside the trunk)."""
+        return self._outer_state == "rest"
+
     # ------------------------------------------------------------------------------ placement
     def _shard_outer(self, lm: Any) -> None:
         """At set-up, after the broadcast that makes every stage's values rank 0's: store each pre/post-trunk

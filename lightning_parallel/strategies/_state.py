@@ -49,6 +49,11 @@ class StateMixin:
             return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
         return value
 
+    def placed_like(self, name: str, value: Any, like: Tensor) -> Any:
+        """A whole tensor (original order) placed like the model's tensor ``like`` of that name: the slice a
+        DTensor shard holds (tensor-parallel permutation undone), anything else unchanged."""
+        return self._in_memory(name, value, like)
+
     # ------------------------------------------------------------------------------- save
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model under the original names."""

@@ -214,16 +214,22 @@ class _WithScalar(L.LightningModule):
         return {"adagrad": torch.optim.Adagrad, "adamw": torch.optim.AdamW}[self.kind](self.parameters(), lr=0.1)
 
 
-def _scalar_run(rank: int, world: int, sharding: str, optimizer: str) -> dict:
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 5, (32,), generator=g))
-    module = _WithScalar(optimizer)
+def _fit_dp2(module: L.LightningModule, data: torch.utils.data.Dataset, sharding: str) -> L.Trainer:
+    """Three float64 steps at dp=2 with the given sharding, batch 4, clipping at 0.5."""
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False, precision="64-true",
         strategy=HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding=sharding),
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5,
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
+    return trainer
+
+
+def _scalar_run(rank: int, world: int, sharding: str, optimizer: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 5, (32,), generator=g))
+    module = _WithScalar(optimizer)
+    _fit_dp2(module, data, sharding)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
@@ -274,14 +280,7 @@ def _stem_run(rank: int, world: int, sharding: str) -> dict:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 16, (16, 6), generator=g)
     data = torch.utils.data.TensorDataset(tokens, tokens.roll(1, dims=1))
-    module = _StemModel()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False, precision="64-true",
-        strategy=HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding=sharding),
-        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.5,
-    )  # fmt: skip
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
-    return trainer.strategy.full_state_dict()
+    return _fit_dp2(_StemModel(), data, sharding).strategy.full_state_dict()
 
 
 def test_a_module_with_its_own_parameter_and_a_child_s_is_fully_sharded_exactly():
