@@ -17,6 +17,7 @@ _throughput.install()
 _grad_norm.install()
 
 __all__ = [
-    "AXES", "HelixParallelStrategy", "HybridParallelStrategy", "ParallelDims", "PipelineParallelStrategy", "load_pretrained",
+    "AXES", "HelixParallelStrategy", "HybridParallelStrategy", "ParallelDims", "PipelineParallelStrategy",
+    "load_pretrained",
 ]  # fmt: skip
 __version__ = "0.1.0"

@@ -7,6 +7,12 @@ failing rank looks up which peers on its own host are no longer running (gone, o
 parent) and says so in the first line it prints: the traceback that follows is only the consequence.
 Peers on other hosts cannot be checked from here; they are listed as not checked. A rank that fails by
 raising leaves a marker file (:func:`mark_raised`) before it exits, so its peers do not call it dead.
+
+Under Lightning's script launcher the launching process (local rank 0) also watches its children, and kills
+the whole job a few seconds after one of them dies: often before rank 0's own collective has failed. Our
+launcher (:class:`NamingScriptLauncher`) watches them with :class:`_NamingObserver`, which names a child
+that a signal ended before it ends the job, so the line never depends on which of the two sees the death
+first; each dead rank is named once (:func:`_claim`).
 """
 
 from __future__ import annotations
@@ -15,11 +21,19 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
+
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +45,18 @@ _CONNECTION_ERRORS = (
     "ECONNRESET",
     "Connection refused",
 )
+
+
+_named: set[int] = set()  # ranks already reported dead by this process
+_named_lock = threading.Lock()
+
+
+def _claim(ranks: list[int]) -> list[int]:
+    """The ranks of ``ranks`` not yet reported dead by this process; they count as reported from now on."""
+    with _named_lock:
+        new = [r for r in ranks if r not in _named]
+        _named.update(new)
+        return new
 
 
 def whoami() -> tuple[str, int]:
@@ -75,7 +101,8 @@ def is_connection_failure(exception: BaseException) -> bool:
 
 
 def dead_peers_line(peers: list[tuple[str, int]], rank: int) -> str | None:
-    """One line naming the ranks whose process is gone, or ``None`` if none could be found."""
+    """One line naming the ranks whose process is gone, or ``None`` if none could be found; ``""`` if every
+    one of them was already named (by :class:`_NamingObserver`)."""
     host = socket.gethostname()
     dead: list[int] = []
     deadline = time.monotonic() + 10.0  # the broken connection can be seen before the killed process is gone
@@ -89,14 +116,62 @@ def dead_peers_line(peers: list[tuple[str, int]], rank: int) -> str | None:
             time.sleep(0.1)
     if not dead:
         return None
+    dead = _claim(dead)
+    if not dead:
+        return ""
     unchecked = [r for r, (h, _) in enumerate(peers) if h != host]
-    named = ", ".join(f"rank {r} (pid {peers[r][1]} on {peers[r][0]})" for r in dead)
     more = f"; ranks {unchecked} on other hosts were not checked" if unchecked else ""
+    return _died_line(rank, [(r, *peers[r]) for r in dead], f"The connection error below is the consequence{more}.")
+
+
+def _died_line(rank: int, dead: list[tuple[int, str, int]], then: str) -> str:
+    named = ", ".join(f"rank {r} (pid {pid} on {host})" for r, host, pid in dead)
     return (
         f"[rank {rank}] {named} died: its process is no longer running (killed, e.g. by SIGKILL or the"
-        f" out-of-memory killer); it did not raise an exception here. The connection error below is the"
-        f" consequence{more}.\n"
+        f" out-of-memory killer); it did not raise an exception here. {then}\n"
     )
+
+
+class _NamingObserver(_ChildProcessObserver):
+    """Lightning's child watcher (it kills the job when a child ends with a non-zero code), checking every
+    second, which first names a child that a signal ended (a negative return code; one that raised exits
+    with a positive code and prints its own traceback)."""
+
+    def __init__(self, main_pid: int, child_processes: list[subprocess.Popen], first_rank: int) -> None:
+        super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
+        self._first_rank = first_rank  # the global rank of the launching process
+
+    @override
+    def _run(self) -> bool:
+        for proc in self._child_processes:
+            proc.poll()
+        host = socket.gethostname()
+        killed = [(self._first_rank + 1 + i, p) for i, p in enumerate(self._child_processes) if (p.returncode or 0) < 0]
+        dead = _claim([r for r, _ in killed])
+        if dead:
+            codes = ", ".join(f"rank {r}: {signal.Signals(-p.returncode).name}" for r, p in killed if r in dead)
+            line = _died_line(
+                self._first_rank,
+                [(r, host, p.pid) for r, p in killed if r in dead],
+                f"Ended by signal ({codes}); the job ends now.",
+            )
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        return super()._run()
+
+
+class NamingScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher (``start_method="popen"``) with :class:`_NamingObserver` as its watcher."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            first_rank = self.cluster_environment.node_rank() * self.num_processes
+            _NamingObserver(os.getpid(), self.procs, first_rank).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
 
 def stop_on_sigterm(strategy: Any) -> None:

@@ -195,7 +195,8 @@ class StageLocalMixin:
             if whole is not None:
                 param = nn.Parameter(whole, requires_grad=s.shard.requires_grad)
             else:
-                param = nn.Parameter(torch.empty(s.shard.shape, dtype=s.shard.dtype, device="meta"), s.shard.requires_grad)
+                placeholder = torch.empty(s.shard.shape, dtype=s.shard.dtype, device="meta")
+                param = nn.Parameter(placeholder, s.shard.requires_grad)
                 self._freed_outer.append(param)
             param.__dict__.update({k: v for k, v in s.shard.__dict__.items()})
             _install(lm, s.names, param)
@@ -218,7 +219,8 @@ class StageLocalMixin:
                 if grad is None and not p.is_meta:  # a running stage that did not use it this step
                     grad = torch.zeros(s.shard.shape, dtype=s.shard.dtype, device=s.shard.device)
                 if runs is None:  # every rank ran it: one reduce-scatter
-                    reduced = DTensor.from_local(grad, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(0)])
+                    partial = DTensor.from_local(grad, mesh, [Partial()], run_check=False)
+                    reduced = partial.redistribute(mesh, [Shard(0)])
                 else:  # the running ranks scatter their gradient; the others receive their chunk only
                     shard = s.shard.to_local()
                     chunk = _collectives.scatter_rows_sum(grad, shard, s.shard.shape[0], mesh.get_group(), runs)
@@ -351,4 +353,3 @@ def _install(module: nn.Module, names: tuple[str, ...] | list[str], param: nn.Pa
     for name in names:
         path, _, attr = name.rpartition(".")
         (module.get_submodule(path) if path else module)._parameters[attr] = param
-

@@ -159,7 +159,8 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         # every stage holds the whole model until the first step has split and placed the blocks
         if self._splits:
             return super()._shared_over_pp(module)
-        return [t for t in module.state_dict(keep_vars=True).values() if not t.is_meta and not self._is_sharded_outer(t)]
+        tensors = module.state_dict(keep_vars=True).values()
+        return [t for t in tensors if not t.is_meta and not self._is_sharded_outer(t)]
 
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:

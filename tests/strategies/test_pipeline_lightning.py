@@ -3,6 +3,7 @@ evaluation, failures and bad input (docs/design.md, "Pipeline parallelism")."""
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -444,3 +445,35 @@ def test_throughput_monitor_counts_each_replica_once(dp, tmp_path):
     else:
         total = [float(r["train/samples_per_sec"]) for r in rows if r.get("train/samples_per_sec")]
         assert total and all(t == pytest.approx(2 * d, rel=1e-9) for t, d in zip(total, device))
+
+
+def test_the_launchers_watcher_names_a_child_a_signal_ended_once_and_not_one_that_raised(capsys):
+    """The launching process's watcher ends the job a second after a child dies, often before rank 0's own
+    collective fails: it names the killed child itself, once, and leaves a child that raised to its traceback."""
+    from lightning_parallel.strategies import _failures
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    main = subprocess.Popen(sleeper)  # stands in for the launching process, which the watcher kills last
+    raised = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    killed = subprocess.Popen(sleeper)
+    try:
+        raised.wait(timeout=30)
+        watcher = _failures._NamingObserver(main.pid, [raised], first_rank=4)
+        assert watcher._run() is True  # a non-zero child ends the job ...
+        assert "died:" not in capsys.readouterr().err  # ... but one that raised is not called dead
+        main.wait(timeout=30)
+        main = subprocess.Popen(sleeper)
+        killed.kill()
+        killed.wait(timeout=30)
+        watcher = _failures._NamingObserver(main.pid, [killed], first_rank=4)
+        assert watcher._run() is True
+        err = capsys.readouterr().err
+        assert re.search(
+            rf"\[rank 4\] rank 5 \(pid {killed.pid} on .*\) died: .*Ended by signal \(rank 5: SIGKILL\)", err
+        )
+        assert main.wait(timeout=30) == -9
+        assert _failures.dead_peers_line([("h", 1)] * 4 + [(socket.gethostname(), killed.pid)] * 2, 4) == ""
+    finally:
+        for p in (main, raised, killed):
+            p.kill()
+        _failures._named.clear()

@@ -106,7 +106,9 @@ def test_a_save_pretrained_directory_loads_into_every_layout(layout, family, tmp
     assert names <= set(want) and len(names) == len(loaded)
     for name, value in loaded.items():
         key = name.removeprefix("model.")
-        torch.testing.assert_close(value.to(want[key].dtype), want[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            value.to(want[key].dtype), want[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}"
+        )
 
 
 def test_a_directory_without_a_tensor_of_the_model_or_with_another_shape_is_refused(tmp_path):
