@@ -44,8 +44,10 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
     from safetensors import safe_open
 
     files = _files(os.fspath(path))
-    targets = module.state_dict(keep_vars=True)
     strategy = getattr(trainer, "strategy", trainer)
+    if hasattr(strategy, "materialize_pending"):
+        strategy.materialize_pending()  # deferred blocks awaiting their first call get their memory now
+    targets = module.state_dict(keep_vars=True)
     prefix, convert = _placement(module, strategy)
     _check_placed(module, targets, strategy if convert is not None else None)
     objects = {}

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import _collectives
@@ -238,19 +238,18 @@ class HelixRuntime(PipelineRuntime):
         return result
 
 
-def place_parameters(trunk: Any, splits: list[Split], stage: int, num_stages: int) -> set[int]:
-    """Free what ``stage`` does not run: layer k's pre-attention parameters live on stage (k-1) mod p,
-    the rest of its block on stage k mod p. Returns the ids of the parameters that were freed."""
+def place_block(i: int, block: nn.Module, split: Split, stage: int, num_stages: int) -> set[int]:
+    """Free what ``stage`` does not run of block ``i`` (layer k = i + 1): its pre-attention parameters live on
+    stage (k-1) mod p, the rest of it on stage k mod p. Returns the ids of the parameters that were freed."""
     freed: set[int] = set()
-    for i, (block, split) in enumerate(zip(trunk.blocks, splits)):  # layer k = i + 1
-        for name, param in list(block.named_parameters()):
-            if (i % num_stages if name in split.pre_parameters else (i + 1) % num_stages) != stage:
-                freed.add(id(param))
-                owner_name, _, attr = name.rpartition(".")
-                owner = block.get_submodule(owner_name) if owner_name else block
-                setattr(
-                    owner,
-                    attr,
-                    torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad),
-                )
+    for name, param in list(block.named_parameters()):
+        if (i % num_stages if name in split.pre_parameters else (i + 1) % num_stages) != stage:
+            freed.add(id(param))
+            owner_name, _, attr = name.rpartition(".")
+            owner = block.get_submodule(owner_name) if owner_name else block
+            setattr(
+                owner,
+                attr,
+                torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad),
+            )
     return freed

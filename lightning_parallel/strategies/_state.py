@@ -26,6 +26,10 @@ class StateMixin:
     _tp_layout: Optional[TensorParallelLayout]
     _group_names: list[list[list[str]]]
 
+    def materialize_pending(self, blocks: Any = None, check: bool = False) -> None:
+        """Deferred blocks still on meta get their values (``HybridParallelStrategy``): every method below
+        reads or writes the model's values, so it first calls this (no collective)."""
+
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # type: ignore[misc]
         lm = self.lightning_module  # type: ignore[attr-defined]
@@ -57,10 +61,12 @@ class StateMixin:
     # ------------------------------------------------------------------------------- save
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model under the original names."""
+        self.materialize_pending()
         local = _checkpoint.local_state_dict(self.lightning_module)  # type: ignore[attr-defined]
         return {k: self._on_disk(k, v) for k, v in local.items()}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self.materialize_pending()
         state = _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)  # type: ignore[attr-defined]
         state["state"] = {n: {k: self._on_disk(n, v) for k, v in s.items()} for n, s in state["state"].items()}
         return state
@@ -100,6 +106,7 @@ class StateMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory (any layout) or a plain single-file Lightning checkpoint."""
         path = os.fspath(checkpoint_path)
+        self.materialize_pending()  # restored into the blocks whole (their first call shards them)
         if os.path.isdir(path):
             lm = self.lightning_module  # type: ignore[attr-defined]
             held = [n for n, t in lm.state_dict(keep_vars=True).items() if not t.is_meta] if lm is not None else None
@@ -107,6 +114,7 @@ class StateMixin:
         return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.materialize_pending()
         lm = self.lightning_module  # type: ignore[attr-defined]
         state = checkpoint["state_dict"]
         if strict:
@@ -128,6 +136,7 @@ class StateMixin:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Optimizer state by parameter name onto the parameters each rank's optimizer holds; a plain
         checkpoint's positional state is first named with the full groups of ``configure_optimizers``."""
+        self.materialize_pending()
         lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]  # type: ignore[attr-defined]
         optimizers = self.optimizers  # type: ignore[attr-defined]
         if len(saved_states) != len(optimizers):
@@ -148,6 +157,7 @@ class StateMixin:
     # ------------------------------------------------------------------------------ gather
     def _full_local_parameters(self) -> dict[str, Tensor]:
         """This rank's materialised parameters, whole (tensor-parallel shards gathered: a collective)."""
+        self.materialize_pending()
         lm = self.lightning_module  # type: ignore[attr-defined]
         layout = self._tp_layout
         out = {}
@@ -165,6 +175,7 @@ class StateMixin:
         on every rank, e.g. after ``trainer.fit`` (the in-memory module then holds only this rank's part)."""
         from lightning_parallel.strategies._partial import partial_allowed
 
+        self.materialize_pending()
         lm, layout = self.lightning_module, self._tp_layout  # type: ignore[attr-defined]
         with partial_allowed():
             state = lm.state_dict()

@@ -28,7 +28,7 @@ from lightning_parallel.anatomy.resolve import first_verified
 from lightning_parallel.anatomy.verify import plain_gradients
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import PP, Size
-from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters
+from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.schedules import Simulation
@@ -163,6 +163,12 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         return [t for t in tensors if not t.is_meta and not self._is_sharded_outer(t)]
 
     @override
+    def _deferred_blocks(self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, nn.Module]]) -> list[Any]:
+        # each stage keeps a part of every block, known once the first step has verified its split: a deferred
+        # block materialises then (or at an earlier call, e.g. validation before the first step), one at a time
+        return list(trunk.blocks)
+
+    @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:
         self._find_replicated(lm, trunk)  # the placement is reported once the first step has split the blocks
 
@@ -193,8 +199,9 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     def _verify_and_place(self, batch: Any, rest: tuple, kwargs: dict) -> None:
-        """Split every block at its attention call, verified on the first real micro-batch (every rank still
-        holds the whole model), then free what this stage does not run and drop it from the optimizers."""
+        """Split every block at its attention call, verified on the first real micro-batch, then free what this
+        stage does not run and drop it from the optimizers, block by block: a deferred block materialises just
+        before, so no rank holds more than its share and one block whole."""
         lm, runtime = self.lightning_module, self.runtime
         assert lm is not None and runtime is not None
         micro, _ = split_microbatches(batch, self.num_microbatches)
@@ -202,13 +209,12 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             step = lambda: lm.training_step(micro[0], *rest, **kwargs)  # noqa: E731
             cap = runtime.capture_step(step, probe=copy.deepcopy(runtime.trunk.blocks[0]).to("meta"))
         config, winner = self._block_config(), None
-        for j, block in enumerate(runtime.trunk.blocks):
+        for j, block in enumerate(runtime.trunk.blocks):  # one block whole at a time
+            self._materialize_at_first_call(block)  # a deferred block, kept on meta until now
             sample = (cap.trunk_input.detach(), *cap.block_args[j])
             winner, anatomy = first_verified(block, sample, config, winner, _split_candidate(config), [])
             self._splits.append(anatomy.helix_split(block, config))
-        drop_parameters(
-            self.optimizers, place_parameters(runtime.trunk, self._splits, self.stage, self.parallel_dims.pp)
-        )
+            drop_parameters(self.optimizers, place_block(j, block, self._splits[j], self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)
         with self._outer_at_rest():  # what the stage stores: the outer part's shards
             nbytes = parameter_bytes(lm)

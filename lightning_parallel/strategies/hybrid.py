@@ -191,6 +191,9 @@ class HybridParallelStrategy(
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
         self._materialized: list[Any] = []  # deferred tensors created at set-up, checked when the loop starts
+        self._pending: list[torch.nn.Module] = []  # deferred blocks held here, materialised at their first call
+        self._pending_hooks: dict[int, Any] = {}  # id(block) -> the forward pre-hook that materialises it
+        self._init_seed = 0  # rank 0's seed, which deferred initialisation uses
         self._fsdp_root: list[torch.nn.Module] = []  # data_parallel_sharding="full": the units' root, once applied
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
         self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
@@ -366,7 +369,8 @@ class HybridParallelStrategy(
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
-            drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.device.type == "meta"})
+            pending = {id(p) for b in self._pending for p in b.parameters()}  # replaced when they materialise
+            drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.is_meta and id(p) not in pending})
             if self._sharded or self._fully_sharded:
                 if getattr(self.precision_plugin, "precision", None) == "16-mixed":
                     raise ValueError(
@@ -405,14 +409,19 @@ class HybridParallelStrategy(
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
             vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
+            # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
+            # stay on meta until then (:meth:`materialize_pending`): set-up holds this rank's share only
+            self._pending = [b for b in self._deferred_blocks(config, trunk, local) if _has_meta(b)]
             # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
             # so set-up never holds the whole embedding and every block at once
-            self._materialize(lm, [*freed, *(trunk.blocks if vocabulary else [])], trunk)
+            self._materialize(lm, [*freed, *self._pending, *(trunk.blocks if vocabulary else [])], trunk)
             if vocabulary:
                 sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
-                self._materialize(lm, freed, trunk)
+                self._materialize(lm, [*freed, *self._pending], trunk)
             self._placed(lm, trunk)
+            hook = _first_call_hook(self)
+            self._pending_hooks = {id(b): b.register_forward_pre_hook(hook) for b in self._pending}
             layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
             self._blocks = layer.install(local)
 
@@ -422,13 +431,51 @@ class HybridParallelStrategy(
         Lightning has restored any checkpoint). A failure on any rank is raised on every rank. Under full
         sharding a deferred model is materialised and sharded one unit at a time (a block, an embedding)."""
         message = None
-        seed = self._seed()
+        seed = self._init_seed = self._seed()
         try:
             self._fully_shard_deferred(lm, freed, trunk, seed)
             self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed))
         except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
             message = f"deferred initialisation failed: {type(err).__name__}: {err}"
         self._raise_on_every_rank(message)
+
+    def _deferred_blocks(
+        self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, torch.nn.Module]]
+    ) -> list[torch.nn.Module]:
+        """The blocks of a deferred model materialised at their first call, not at set-up: tensor parallelism
+        shards a block only once its first call has verified the stack, so materialising every block at set-up
+        would hold them all whole."""
+        return [b for _, b in local] if config.tp_mesh is not None else []
+
+    def materialize_pending(self, blocks: Optional[list[torch.nn.Module]] = None, check: bool = False) -> None:
+        """Materialise the deferred blocks still on meta (``blocks``: those among them; default: all), by the
+        rule of set-up (the same values: they depend on the seed and the module names only, so no collective
+        runs). Called at a block's first call, and before anything reads or writes the model's values as a
+        whole (a checkpoint's restore or save, ``load_pretrained``, ``full_state_dict``). The optimizers hold
+        the new parameters in place of the meta ones. ``check``: refuse tensors nothing initialised now (their
+        first call: nothing can restore them later); otherwise they are checked when the next loop starts."""
+        todo = [b for b in self._pending if blocks is None or any(b is x for x in blocks)]
+        if not todo:
+            return
+        lm = self.lightning_module
+        assert lm is not None
+        prefix = {id(m): n for n, m in lm.named_modules()}
+        for block in todo:
+            before = dict(block.named_parameters())
+            record = materialize_(lm, self.root_device, self._init_seed, only=[block])
+            after = dict(block.named_parameters())
+            self._pending = [b for b in self._pending if b is not block]
+            self._pending_hooks.pop(id(block)).remove()
+            name = prefix[id(block)]
+            new = [(before[n], after[n], f"{name}.{n}") for n in before if after[n] is not before[n]]
+            self._replace_parameters(new)
+            if check and (message := check_set(record)) is not None:
+                raise ConfigurationError(message)
+            if not check:
+                self._materialized.append(record)
+
+    def _materialize_at_first_call(self, block: torch.nn.Module) -> None:
+        self.materialize_pending([block], check=True)
 
     def _check_materialized(self) -> None:
         if not self._materialized:  # the same on every rank: each appends one record per first placement
@@ -679,3 +726,17 @@ class HybridParallelStrategy(
         from lightning.pytorch.strategies import StrategyRegistry
 
         StrategyRegistry.register(name, cls, description=description, override=True, **defaults)
+
+
+def _first_call_hook(strategy: HybridParallelStrategy) -> Callable[[torch.nn.Module, Any], None]:
+    """A forward pre-hook materialising a deferred block at its first call; a function, so that a copy of the
+    block (``copy.deepcopy``) shares it rather than copying the strategy (a copy is never pending: no-op)."""
+
+    def hook(block: torch.nn.Module, args: Any) -> None:
+        strategy._materialize_at_first_call(block)
+
+    return hook
+
+
+def _has_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])

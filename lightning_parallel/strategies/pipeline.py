@@ -238,6 +238,9 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         sizes = [len(r) for r in placement]
         lines = [f"{self.strategy_name} over {path!r}: {len(placement)} chunks, blocks per chunk {sizes}"]
         lines += [f"  rank {r}: stage {s}, {b / 2**20:.2f} MiB of parameters" for r, s, b in table]
+        if self._pending:  # the same count on every rank of this layout
+            n = len(self._pending)
+            lines.append(f"  not counted yet: {n} deferred block(s) per rank, materialised at their first call")
         rank_zero_info("\n".join(lines))
 
     # ------------------------------------------------------------------------------- training

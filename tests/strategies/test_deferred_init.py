@@ -25,6 +25,11 @@ LAYOUTS = {
     "tensor_parallel tp=2": (lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=1), 2, 1),
     "hybrid dp=2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
     "hybrid dp=2 full": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2, 2),
+    "pipeline pp=2 x tp=2": (
+        lambda: PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4),
+        4,
+        1,
+    ),
 }
 
 
@@ -166,7 +171,7 @@ class _Gain(nn.Module):
         return x * self.weight
 
 
-def _deferred_gain(r: int, world: int, strategy: str) -> str:
+def _deferred_gain(r: int, world: int, strategy: str, in_block: bool = False) -> str:
     from tests.helpers.parity import build
 
     module, data = build("gpt-deferred", 4, "adamw")
@@ -174,7 +179,11 @@ def _deferred_gain(r: int, world: int, strategy: str) -> str:
 
     def with_gain() -> None:
         build_model()
-        module.gain = _Gain(module.hparams.n_embd)  # on meta too: configure_model builds under torch.device("meta")
+        gain = _Gain(module.hparams.n_embd)  # on meta too: configure_model builds under torch.device("meta")
+        if in_block:
+            module.transformer.h[1].gain = gain
+        else:
+            module.gain = gain
 
     module._build = with_gain
     trainer = L.Trainer(
@@ -196,6 +205,14 @@ def test_an_uninitialised_parameter_is_refused_after_full_sharding():
     assert "gain (_Gain): weight" in messages[0], messages[0]
 
 
+def test_an_uninitialised_block_parameter_is_refused_at_the_blocks_first_call_under_tensor_parallelism():
+    """Tensor parallelism materialises a deferred block at its first call (set-up holds no block whole):
+    a tensor nothing initialised is refused there, with the same message on both tensor-parallel ranks."""
+    messages = run_distributed(_deferred_gain, 2, "tensor_parallel tp=2", True, init_process_group=False)
+    assert messages[0] == messages[1]
+    assert "transformer.h.1.gain (_Gain): weight" in messages[0], messages[0]
+
+
 def test_deferred_llama_refused_under_pipeline_never_a_hang():
     """Under pipeline (which exited a failing rank at once, and hung in the first step on a meta model
     before deferred initialisation existed) the rank prints the refusal and the job ends."""
@@ -203,30 +220,41 @@ def test_deferred_llama_refused_under_pipeline_never_a_hang():
         run_distributed(_deferred_llama, 2, "pipeline pp=2", init_process_group=False, timeout=60)
 
 
-def _setup_peak(rank: int, world: int, layout: str) -> tuple[int, int, int, int]:
+def _setup_peak(rank: int, world: int, layout: str) -> tuple[int, int, int, int, int]:
     from torch.distributed.tensor import DTensor
 
     from lightning_parallel.memory import LiveTensorTracker
     from tests.helpers.models import DeferredGPT
 
-    base = PipelineParallelStrategy if layout == "pp=2" else HybridParallelStrategy
-
-    class Tracked(base):
-        def setup(self, trainer):
-            with LiveTensorTracker() as tracker:
-                super().setup(trainer)
-            self.setup_peak = tracker.peak
+    base = {"pp=2": PipelineParallelStrategy, "helix": HelixParallelStrategy}.get(layout, HybridParallelStrategy)
 
     def nbytes(p):
         t = p.to_local() if isinstance(p, DTensor) else p
         return t.numel() * t.element_size()
 
+    class Tracked(base):
+        first_call_peak = 0
+
+        def setup(self, trainer):
+            with LiveTensorTracker() as tracker:
+                super().setup(trainer)
+            self.setup_peak = tracker.peak
+
+        def _materialize_at_first_call(self, block):
+            super()._materialize_at_first_call(block)  # this block whole, the ones called before it sharded
+            held = sum(nbytes(p) for p in self.lightning_module.transformer.h.parameters() if not p.is_meta)
+            self.first_call_peak = max(self.first_call_peak, held)
+
     torch.manual_seed(0)
-    tokens = torch.randint(0, 65, (4, 17))
+    tokens = torch.randint(0, 65, (4, 17))  # 4 samples: helix's 4 micro-batches
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     module = DeferredGPT(vocab_size=65, block_size=16, n_layer=8, n_head=8, n_embd=512, optimizer="sgd")
     if layout == "pp=2":
         strategy = Tracked(pipeline_parallel_size=2, num_microbatches=2)
+    elif layout == "tp=2":
+        strategy = Tracked(data_parallel_size=1, tensor_parallel_size=2)
+    elif layout == "helix":
+        strategy = Tracked(pipeline_parallel_size=2, num_microbatches=4)
     else:
         strategy = Tracked(data_parallel_size=2, data_parallel_sharding="full")
     trainer = L.Trainer(
@@ -237,19 +265,27 @@ def _setup_peak(rank: int, world: int, layout: str) -> tuple[int, int, int, int]
     block = sum(p.numel() * p.element_size() for p in module.transformer.h[0].parameters())  # whole (global)
     share = sum(nbytes(p) for p in module.parameters() if not p.is_meta)
     total = sum(p.numel() * p.element_size() for p in module.parameters())
-    return strategy.setup_peak, share, block, total
+    blocks_share = sum(nbytes(p) for p in module.transformer.h.parameters() if not p.is_meta)
+    return strategy.setup_peak, share, block, total, strategy.first_call_peak - blocks_share
 
 
-@pytest.mark.parametrize("layout", ["pp=2", "dp=2 full"])
+@pytest.mark.parametrize("layout", ["pp=2", "dp=2 full", "tp=2", "helix"])
 def test_setup_holds_its_share_plus_one_block(layout):
     """Set-up of a deferred model allocates at most this rank's share plus one block (the whole model
     would be twice the share), counted by the live-tensor tracker around the strategy's set-up: a pipeline
     stage materialises its blocks only; full sharding materialises one unit at a time and shards it (its
-    shard is made while the unit is whole: half a block more)."""
+    shard is made while the unit is whole: half a block more). Tensor parallelism and helix materialise no
+    block at set-up, and each block at its first call (helix: when its first step splits it), when the
+    blocks before it are sharded or split already: the blocks held then are their share plus at most one
+    block (8 blocks whole at once would be 4 blocks more than the share)."""
     extra = 1.0 if layout == "pp=2" else 1.5
-    for peak, share, block, total in run_distributed(_setup_peak, 2, layout, init_process_group=False):
+    late = layout in ("tp=2", "helix")
+    for peak, share, block, total, first_call in run_distributed(_setup_peak, 2, layout, init_process_group=False):
         assert 0.45 * total < share < 0.55 * total  # the rank holds about half of the model
-        assert 0.9 * share <= peak <= share + extra * block, (peak / 2**20, share / 2**20, block / 2**20)
+        low = 0.0 if late else 0.9 * share  # these set-ups hold the shards outside the blocks alone
+        assert low <= peak <= share + extra * block, (peak / 2**20, share / 2**20, block / 2**20)
+        if late:  # tp: this block whole and 7 halves = the share + half a block; helix: its parts of the others
+            assert 0 < first_call <= (0.5 if layout == "tp=2" else 1.0) * block + 1, (first_call / 2**20, block)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

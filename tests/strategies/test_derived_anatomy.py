@@ -41,7 +41,7 @@ def _fit_with_validation(rank, world_size, column):
     return float(trainer.callback_metrics["val_loss"])
 
 
-@pytest.mark.parametrize("column", ["tensor_parallel", "ulysses", "helix"])
+@pytest.mark.parametrize("column", ["tensor_parallel", pytest.param("ulysses", marks=pytest.mark.slow), "helix"])
 def test_traced_blocks_run_again_in_eval_mode_for_validation(column):
     from tests.helpers.parity import _OneReplicaSampler
     from tests.helpers.trainers import quick_fit

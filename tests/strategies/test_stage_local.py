@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_parallel import HelixParallelStrategy, PipelineParallelStrategy
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import assert_parity, build
 from tests.helpers.trainers import quick_fit
@@ -155,18 +155,21 @@ def test_foreach_optimizers_and_clipping_by_value_step_shards_next_to_plain_para
 
 def test_foreach_optimizers_and_clipping_by_value_under_tensor_parallelism():
     """The same mix under tensor parallelism: sharded block and vocabulary parameters, plain norms."""
-    from lightning_parallel import HybridParallelStrategy
-
     kwargs = dict(optimizer="adamw-foreach", gradient_clip_val=0.002, gradient_clip_algorithm="value")
     make = lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)  # noqa: E731
     assert_parity("gpt", make, 2, data_parallel_size=1, **kwargs)
 
 
-def _validate_then_fit(rank, world_size, helix, validate_first):
+def _validate_then_fit(rank, world_size, layout, validate_first):
     import lightning as L
 
-    module, data = build("llama", 8, "adamw")
-    strategy = HelixParallelStrategy(pipeline_parallel_size=2) if helix else _pp()()
+    module, data = build("gpt-deferred" if layout.endswith("deferred") else "llama", 8, "adamw")
+    strategy = {
+        "pipeline": _pp(),
+        "helix": lambda: HelixParallelStrategy(pipeline_parallel_size=2),
+        "helix-deferred": lambda: HelixParallelStrategy(pipeline_parallel_size=2),
+        "tp-deferred": lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+    }[layout]()
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -178,11 +181,13 @@ def _validate_then_fit(rank, world_size, helix, validate_first):
     return {k: v for k, v in trainer.strategy.gather_named_parameters().items()}
 
 
-@pytest.mark.parametrize("helix", [False, True], ids=["pipeline", "helix"])
-def test_validate_then_fit_with_one_strategy_trains_like_fit_alone(helix):
-    """A second set-up must not broadcast the stored shards as if every stage held the same values."""
-    alone = run_distributed(_validate_then_fit, 2, helix, False, init_process_group=False)[0]
-    after = run_distributed(_validate_then_fit, 2, helix, True, init_process_group=False)[0]
+@pytest.mark.parametrize("layout", ["pipeline", "helix", "helix-deferred", "tp-deferred"])
+def test_validate_then_fit_with_one_strategy_trains_like_fit_alone(layout):
+    """A second set-up must not broadcast the stored shards as if every stage held the same values; a
+    deferred block first called by validation materialises there (helix: whole, until the first step splits
+    it) with the values it would get at the first training step."""
+    alone = run_distributed(_validate_then_fit, 2, layout, False, init_process_group=False)[0]
+    after = run_distributed(_validate_then_fit, 2, layout, True, init_process_group=False)[0]
     assert alone.keys() == after.keys()
     for k in alone:
         torch.testing.assert_close(after[k], alone[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
