@@ -42,7 +42,7 @@ from benchmarks.pipeline import batch, init_worker, make_model, run_two  # noqa:
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy  # noqa: E402
 from lightning_parallel.anatomy.traced import anatomy_of  # noqa: E402
 from lightning_parallel.blocks import BlockConfig, parallelize  # noqa: E402
-from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters  # noqa: E402
+from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix  # noqa: E402
 from lightning_parallel.trunk import discover_trunk  # noqa: E402
 
@@ -78,7 +78,8 @@ class Helix:
         for block in trunk.blocks:
             anatomy = anatomy_of(block, (hidden, (), {}), config) if derived else AdapterAnatomy(ADAPTERS["nanogpt"])
             splits.append(anatomy.helix_split(block, config))
-        place_parameters(trunk, splits, rank, 2)
+        for i, (block, split) in enumerate(zip(trunk.blocks, splits)):
+            place_block(i, block, split, rank, 2)
         self.runtime = HelixRuntime(trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"), folds=2,
                                     recompute=True)  # fmt: skip
         self.runtime.splits = splits

@@ -49,7 +49,7 @@ from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy  # noqa
 from lightning_parallel.blocks import BlockConfig  # noqa: E402
 from lightning_parallel.callbacks.timeline import analyze, mean_costs  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
-from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_parameters  # noqa: E402
+from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # noqa: E402
 from lightning_parallel.pipeline.placement import place_blocks  # noqa: E402
 from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
@@ -150,7 +150,8 @@ class OursHelix(Ours):
         anatomy = AdapterAnatomy(ADAPTERS["nanogpt"])
         config = BlockConfig(mlp_chunks=2 if recompute else 1)  # helix's default MLP chunking
         splits = [anatomy.helix_split(block, config) for block in trunk.blocks]
-        place_parameters(trunk, splits, rank, 2)
+        for i, (block, split) in enumerate(zip(trunk.blocks, splits)):
+            place_block(i, block, split, rank, 2)
         folds = 2 if m % 4 == 0 else 1
         self.runtime = HelixRuntime(
             trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"), folds=folds, recompute=recompute
