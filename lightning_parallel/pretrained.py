@@ -45,6 +45,8 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
 
     files = _files(os.fspath(path))
     strategy = getattr(trainer, "strategy", trainer)
+    if strategy is None:  # the trainer of a LightningModule
+        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
     if hasattr(strategy, "materialize_pending"):
         strategy.materialize_pending()  # deferred blocks awaiting their first call get their memory now
     targets = module.state_dict(keep_vars=True)

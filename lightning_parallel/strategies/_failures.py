@@ -143,21 +143,39 @@ class _NamingObserver(_ChildProcessObserver):
 
     @override
     def _run(self) -> bool:
-        for proc in self._child_processes:
-            proc.poll()
+        """Lightning's check, on one poll of the children (a child that ends between two polls is named too)."""
+        codes = [proc.poll() for proc in self._child_processes]
+        if all(code == 0 for code in codes):
+            return True
         host = socket.gethostname()
-        killed = [(self._first_rank + 1 + i, p) for i, p in enumerate(self._child_processes) if (p.returncode or 0) < 0]
-        dead = _claim([r for r, _ in killed])
+        children = enumerate(zip(self._child_processes, codes))
+        killed = [(self._first_rank + 1 + i, p, -c) for i, (p, c) in children if (c or 0) < 0]
+        dead = _claim([r for r, _, _ in killed])
         if dead:
-            codes = ", ".join(f"rank {r}: {signal.Signals(-p.returncode).name}" for r, p in killed if r in dead)
+            names = ", ".join(f"rank {r}: {_signal_name(n)}" for r, _, n in killed if r in dead)
             line = _died_line(
                 self._first_rank,
-                [(r, host, p.pid) for r, p in killed if r in dead],
-                f"Ended by signal ({codes}); the job ends now.",
+                [(r, host, p.pid) for r, p, _ in killed if r in dead],
+                f"Ended by signal ({names}); the job ends now.",
             )
             sys.stderr.write(line)
             sys.stderr.flush()
-        return super()._run()
+        for i, (proc, code) in enumerate(zip(self._child_processes, codes)):
+            if code:
+                log.info(
+                    f"[rank {self._first_rank + 1 + i}] Child process with PID {proc.pid} terminated with code {code}."
+                    " Forcefully terminating all other processes to avoid zombies"
+                )
+                self._terminate_all()
+                return True
+        return False
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal
+        return f"signal {number}"
 
 
 class NamingScriptLauncher(_SubprocessScriptLauncher):

@@ -27,7 +27,7 @@ from lightning_parallel import _collectives
 from lightning_parallel.anatomy.resolve import first_verified
 from lightning_parallel.anatomy.verify import plain_gradients
 from lightning_parallel.blocks import BlockConfig
-from lightning_parallel.mesh import PP, Size
+from lightning_parallel.mesh import DP, PP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
@@ -161,6 +161,10 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             return super()._shared_over_pp(module)
         tensors = module.state_dict(keep_vars=True).values()
         return [t for t in tensors if not t.is_meta and not self._is_sharded_outer(t)]
+
+    @override
+    def _broadcast_block(self, block: nn.Module, axes: tuple[str, ...] = ()) -> None:
+        super()._broadcast_block(block, (DP, PP))  # every helix rank holds a block whole until it is split
 
     @override
     def _deferred_blocks(self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, nn.Module]]) -> list[Any]:

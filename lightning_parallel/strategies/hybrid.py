@@ -369,6 +369,11 @@ class HybridParallelStrategy(
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
+            if any(opt.state.get(p) for opt in self.optimizers for b in self._pending for p in b.parameters()):
+                # an optimizer that creates state at construction (Adagrad's sum) made it on meta: build the
+                # optimizers again on materialised blocks (held whole until their first call)
+                self.materialize_pending()
+                self.setup_optimizers(trainer)
             pending = {id(p) for b in self._pending for p in b.parameters()}  # replaced when they materialise
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.is_meta and id(p) not in pending})
             if self._sharded or self._fully_sharded:
@@ -411,7 +416,8 @@ class HybridParallelStrategy(
             vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
             # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
             # stay on meta until then (:meth:`materialize_pending`): set-up holds this rank's share only
-            self._pending = [b for b in self._deferred_blocks(config, trunk, local) if _has_meta(b)]
+            candidates = self._deferred_blocks(config, trunk, local)
+            self._pending = [b for b in candidates if _has_meta(b) and _self_contained(lm, b)]
             # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
             # so set-up never holds the whole embedding and every block at once
             self._materialize(lm, [*freed, *self._pending, *(trunk.blocks if vocabulary else [])], trunk)
@@ -453,7 +459,11 @@ class HybridParallelStrategy(
         runs). Called at a block's first call, and before anything reads or writes the model's values as a
         whole (a checkpoint's restore or save, ``load_pretrained``, ``full_state_dict``). The optimizers hold
         the new parameters in place of the meta ones. ``check``: refuse tensors nothing initialised now (their
-        first call: nothing can restore them later); otherwise they are checked when the next loop starts."""
+        first call: nothing can restore them later), and make every rank start from rank 0's values of the
+        block (as set-up's broadcast does for what is materialised there: a reset that does not draw from
+        torch's seeded generator would differ between ranks); every rank holding the block calls it then, in
+        the same order. Otherwise they are checked when the next loop starts. Runs outside inference mode
+        (a first call in evaluation): the parameters are for training too."""
         todo = [b for b in self._pending if blocks is None or any(b is x for x in blocks)]
         if not todo:
             return
@@ -462,7 +472,10 @@ class HybridParallelStrategy(
         prefix = {id(m): n for n, m in lm.named_modules()}
         for block in todo:
             before = dict(block.named_parameters())
-            record = materialize_(lm, self.root_device, self._init_seed, only=[block])
+            with torch.inference_mode(False):
+                record = materialize_(lm, self.root_device, self._init_seed, only=[block])
+                if check:
+                    self._broadcast_block(block)
             after = dict(block.named_parameters())
             self._pending = [b for b in self._pending if b is not block]
             self._pending_hooks.pop(id(block)).remove()
@@ -473,6 +486,15 @@ class HybridParallelStrategy(
                 raise ConfigurationError(message)
             if not check:
                 self._materialized.append(record)
+
+    def _broadcast_block(self, block: torch.nn.Module, axes: tuple[str, ...] = (DP, SP, TP)) -> None:
+        """Rank 0's values of a block just materialised, along the mesh axes whose ranks all hold it whole."""
+        if self._mesh is None:
+            return
+        tensors = [local(t.data) for t in [*block.parameters(), *block.buffers()] if not t.is_meta]
+        for axis in axes:
+            if self._mesh[axis].size() > 1:
+                _collectives.broadcast_(tensors, self._mesh.get_group(axis))
 
     def _materialize_at_first_call(self, block: torch.nn.Module) -> None:
         self.materialize_pending([block], check=True)
@@ -596,6 +618,7 @@ class HybridParallelStrategy(
     ) -> Any:
         def closure_then_sync() -> Any:
             out = closure()  # forward + backward of the step (or of the whole pipeline schedule)
+            self.materialize_pending()  # a deferred block this step never called: the optimizer steps real tensors
             self.sync_gradients(optimizer)  # before the precision plugin clips and steps
             avoid_mixed_foreach(optimizer)  # the closure runs inside optimizer.step, before its update
             return out
@@ -736,6 +759,18 @@ def _first_call_hook(strategy: HybridParallelStrategy) -> Callable[[torch.nn.Mod
         strategy._materialize_at_first_call(block)
 
     return hook
+
+
+def _self_contained(root: torch.nn.Module, block: torch.nn.Module) -> bool:
+    """No tensor of ``block`` is also held by a module outside it: one materialised alone would split a tie."""
+    inside = {id(t) for t in [*block.parameters(), *block.buffers()]}
+    own = {id(m) for m in block.modules()}
+    for module in root.modules():
+        if id(module) not in own:
+            tensors = [*module._parameters.values(), *module._buffers.values()]
+            if any(t is not None and id(t) in inside for t in tensors):
+                return False
+    return True
 
 
 def _has_meta(module: torch.nn.Module) -> bool:

@@ -421,10 +421,9 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             # of a job that raised the same error (bad input) would otherwise spend
             connection = peers and _failures.is_connection_failure(exception)
             line = _failures.dead_peers_line(peers, self.global_rank) if connection else None
-            if line:
-                sys.stderr.write(line)
-            else:
+            if line is None:  # no dead peer ("": one, named already by the launcher's watcher)
                 _failures.mark_raised(peers, self.global_rank)
+            sys.stderr.write(line or "")
             sys.stderr.write(f"[rank {self.global_rank}] {''.join(traceback.format_exception(exception))}")
             sys.stderr.flush()
             sys.stdout.flush()

@@ -6,6 +6,7 @@ A model that cannot be initialised that way is refused with the tensors it lacks
 
 from __future__ import annotations
 
+import math
 import re
 
 import lightning as L
@@ -327,3 +328,35 @@ def test_a_deferred_hugging_face_model_trains_with_parity(family, layout):
     """Each layout materialises its own part (full sharding: one unit at a time) by the same rule."""
     make, dp = _HF_LAYOUTS[layout]
     assert_parity(f"hf-{family}-deferred", make, 2, data_parallel_size=dp)
+
+
+def _first_calls(rank: int, world: int, optimizer: str) -> tuple[list[bool], list[bool], float]:
+    from tests.helpers.parity import build
+
+    module, data = build("gpt-deferred", 4, "sgd")
+    if optimizer == "adagrad":  # creates its state ("sum") in its constructor, from the parameters
+        module.configure_optimizers = lambda: torch.optim.Adagrad(module.parameters(), lr=0.01)
+
+    class InInferenceMode(HybridParallelStrategy):
+        def _materialize_at_first_call(self, block):
+            with torch.inference_mode():  # where Lightning evaluates under NCCL (under gloo: no_grad)
+                super()._materialize_at_first_call(block)
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=InInferenceMode(data_parallel_size=1, tensor_parallel_size=2),
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    opt = trainer.optimizers[0]
+    states = [t.is_meta for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return [p.is_inference() for p in module.parameters()], states, trainer.callback_metrics["train_loss"].item()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_a_pending_block_materialised_in_inference_mode_or_with_state_built_at_construction_trains(optimizer):
+    """A first call inside ``torch.inference_mode()`` (evaluation before the first step, on NCCL) makes
+    normal parameters; an optimizer that builds its state in its constructor (Adagrad) is built again on
+    materialised blocks rather than on meta ones."""
+    for inference, meta_state, loss in run_distributed(_first_calls, 2, optimizer, init_process_group=False):
+        assert not any(inference) and meta_state and not any(meta_state) and math.isfinite(loss)
