@@ -191,6 +191,7 @@ class HybridParallelStrategy(
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
         self._materialized: list[Any] = []  # deferred tensors created at set-up, checked when the loop starts
+        self._check_due = False  # set by every rank's set-up: the check's collective runs on all of them
         self._pending: list[torch.nn.Module] = []  # deferred blocks held here, materialised at their first call
         self._pending_hooks: dict[int, Any] = {}  # id(block) -> the forward pre-hook that materialises it
         self._init_seed = 0  # rank 0's seed, which deferred initialisation uses
@@ -441,6 +442,7 @@ class HybridParallelStrategy(
         try:
             self._fully_shard_deferred(lm, freed, trunk, seed)
             self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed))
+            self._check_due = True
         except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
             message = f"deferred initialisation failed: {type(err).__name__}: {err}"
         self._raise_on_every_rank(message)
@@ -500,8 +502,9 @@ class HybridParallelStrategy(
         self.materialize_pending([block], check=True)
 
     def _check_materialized(self) -> None:
-        if not self._materialized:  # the same on every rank: each appends one record per first placement
-            return
+        if not self._check_due:  # the same on every rank (records can be added on one rank alone, e.g. a state
+            return  # dict read on rank 0 materialising pending blocks)
+        self._check_due = False
         message = None
         for record in self._materialized:
             message = message or check_set(record)
