@@ -457,9 +457,10 @@ class HybridParallelStrategy(
 
     def materialize_pending(self, blocks: Optional[list[torch.nn.Module]] = None, check: bool = False) -> None:
         """Materialise the deferred blocks still on meta (``blocks``: those among them; default: all), by the
-        rule of set-up (the same values: they depend on the seed and the module names only, so no collective
-        runs). Called at a block's first call, and before anything reads or writes the model's values as a
-        whole (a checkpoint's restore or save, ``load_pretrained``, ``full_state_dict``). The optimizers hold
+        rule of set-up (the same values: they depend on the seed and the module names only; no collective
+        runs, except the first call's broadcast below). Called at a block's first call, and before anything
+        reads or writes the model's values as a whole (a checkpoint's restore or save, ``load_pretrained``,
+        ``full_state_dict``). The optimizers hold
         the new parameters in place of the meta ones. ``check``: refuse tensors nothing initialised now (their
         first call: nothing can restore them later), and make every rank start from rank 0's values of the
         block (as set-up's broadcast does for what is materialised there: a reset that does not draw from
