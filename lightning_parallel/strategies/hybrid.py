@@ -60,6 +60,7 @@ from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._full_shard import check_full
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, avoid_mixed_foreach, drop_parameters, replace_parameters
+from lightning_parallel.strategies._pending import PendingBlocksMixin, pending_blocks
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
@@ -74,7 +75,12 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class HybridParallelStrategy(
-    DataParallelShardingMixin, StateMixin, TensorParallelMixin, SequenceParallelMixin, ParallelStrategy
+    PendingBlocksMixin,
+    DataParallelShardingMixin,
+    StateMixin,
+    TensorParallelMixin,
+    SequenceParallelMixin,
+    ParallelStrategy,
 ):
     """Data and tensor parallelism over a named ``(dp, pp, sp, tp)`` mesh; the base of the other strategies.
 
@@ -417,8 +423,7 @@ class HybridParallelStrategy(
             vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
             # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
             # stay on meta until then (:meth:`materialize_pending`): set-up holds this rank's share only
-            candidates = self._deferred_blocks(config, trunk, local)
-            self._pending = [b for b in candidates if _has_meta(b) and _self_contained(lm, b)]
+            self._pending = pending_blocks(lm, self._deferred_blocks(config, trunk, local))
             # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
             # so set-up never holds the whole embedding and every block at once
             self._materialize(lm, [*freed, *self._pending, *(trunk.blocks if vocabulary else [])], trunk)
@@ -427,8 +432,7 @@ class HybridParallelStrategy(
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
                 self._materialize(lm, [*freed, *self._pending], trunk)
             self._placed(lm, trunk)
-            hook = _first_call_hook(self)
-            self._pending_hooks = {id(b): b.register_forward_pre_hook(hook) for b in self._pending}
+            self._hook_pending()
             layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
             self._blocks = layer.install(local)
 
@@ -446,61 +450,6 @@ class HybridParallelStrategy(
         except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
             message = f"deferred initialisation failed: {type(err).__name__}: {err}"
         self._raise_on_every_rank(message)
-
-    def _deferred_blocks(
-        self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, torch.nn.Module]]
-    ) -> list[torch.nn.Module]:
-        """The blocks of a deferred model materialised at their first call, not at set-up: tensor parallelism
-        shards a block only once its first call has verified the stack, so materialising every block at set-up
-        would hold them all whole."""
-        return [b for _, b in local] if config.tp_mesh is not None else []
-
-    def materialize_pending(self, blocks: Optional[list[torch.nn.Module]] = None, check: bool = False) -> None:
-        """Materialise the deferred blocks still on meta (``blocks``: those among them; default: all), by the
-        rule of set-up (the same values: they depend on the seed and the module names only; no collective
-        runs, except the first call's broadcast below). Called at a block's first call, and before anything
-        reads or writes the model's values as a whole (a checkpoint's restore or save, ``load_pretrained``,
-        ``full_state_dict``). The optimizers hold
-        the new parameters in place of the meta ones. ``check``: refuse tensors nothing initialised now (their
-        first call: nothing can restore them later), and make every rank start from rank 0's values of the
-        block (as set-up's broadcast does for what is materialised there: a reset that does not draw from
-        torch's seeded generator would differ between ranks); every rank holding the block calls it then, in
-        the same order. Otherwise they are checked when the next loop starts. Runs outside inference mode
-        (a first call in evaluation): the parameters are for training too."""
-        todo = [b for b in self._pending if blocks is None or any(b is x for x in blocks)]
-        if not todo:
-            return
-        lm = self.lightning_module
-        assert lm is not None
-        prefix = {id(m): n for n, m in lm.named_modules()}
-        for block in todo:
-            before = dict(block.named_parameters())
-            with torch.inference_mode(False):
-                record = materialize_(lm, self.root_device, self._init_seed, only=[block])
-                if check:
-                    self._broadcast_block(block)
-            after = dict(block.named_parameters())
-            self._pending = [b for b in self._pending if b is not block]
-            self._pending_hooks.pop(id(block)).remove()
-            name = prefix[id(block)]
-            new = [(before[n], after[n], f"{name}.{n}") for n in before if after[n] is not before[n]]
-            self._replace_parameters(new)
-            if check and (message := check_set(record)) is not None:
-                raise ConfigurationError(message)
-            if not check:
-                self._materialized.append(record)
-
-    def _broadcast_block(self, block: torch.nn.Module, axes: tuple[str, ...] = (DP, SP, TP)) -> None:
-        """Rank 0's values of a block just materialised, along the mesh axes whose ranks all hold it whole."""
-        if self._mesh is None:
-            return
-        tensors = [local(t.data) for t in [*block.parameters(), *block.buffers()] if not t.is_meta]
-        for axis in axes:
-            if self._mesh[axis].size() > 1:
-                _collectives.broadcast_(tensors, self._mesh.get_group(axis))
-
-    def _materialize_at_first_call(self, block: torch.nn.Module) -> None:
-        self.materialize_pending([block], check=True)
 
     def _check_materialized(self) -> None:
         if not self._check_due:  # the same on every rank (records can be added on one rank alone, e.g. a state
@@ -753,29 +702,3 @@ class HybridParallelStrategy(
         from lightning.pytorch.strategies import StrategyRegistry
 
         StrategyRegistry.register(name, cls, description=description, override=True, **defaults)
-
-
-def _first_call_hook(strategy: HybridParallelStrategy) -> Callable[[torch.nn.Module, Any], None]:
-    """A forward pre-hook materialising a deferred block at its first call; a function, so that a copy of the
-    block (``copy.deepcopy``) shares it rather than copying the strategy (a copy is never pending: no-op)."""
-
-    def hook(block: torch.nn.Module, args: Any) -> None:
-        strategy._materialize_at_first_call(block)
-
-    return hook
-
-
-def _self_contained(root: torch.nn.Module, block: torch.nn.Module) -> bool:
-    """No tensor of ``block`` is also held by a module outside it: one materialised alone would split a tie."""
-    inside = {id(t) for t in [*block.parameters(), *block.buffers()]}
-    own = {id(m) for m in block.modules()}
-    for module in root.modules():
-        if id(module) not in own:
-            tensors = [*module._parameters.values(), *module._buffers.values()]
-            if any(t is not None and id(t) in inside for t in tensors):
-                return False
-    return True
-
-
-def _has_meta(module: torch.nn.Module) -> bool:
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
