@@ -198,6 +198,19 @@ def load_sharded(path: str | os.PathLike, held: Iterable[str] | None = None) -> 
     return checkpoint
 
 
+def read_entries(
+    path: str | os.PathLike, names: Iterable[str], optimizers: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The model's tensors ``names`` (state-dict names) and, for each of the first ``optimizers`` optimizers,
+    the state of those of them it has, read from a sharded directory alone (no collective): what a block
+    deferred past the restore reads when it materialises."""
+    names = list(names)
+    keys = {f"state_dict.{n}" for n in names} if optimizers == 0 else set()
+    keys |= {f"optimizer_{i}.{n}" for i in range(optimizers) for n in names}
+    tensors = _read_all(os.fspath(path), keys)
+    return tensors.get("state_dict", {}), [tensors.get(f"optimizer_{i}", {}) for i in range(optimizers)]
+
+
 def _model_keys(path: str) -> list[str]:
     """The model's state-dict names in a DCP directory, from its metadata alone."""
     metadata = dcp.FileSystemReader(path).read_metadata()

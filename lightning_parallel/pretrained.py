@@ -2,8 +2,9 @@
 model that a lightning-parallel strategy has placed: each rank reads only the tensors it holds, one at a
 time, and copies its part (a pipeline stage skips the other stages' blocks; a shard of tensor, full data or
 stage-sharded parallelism takes its slice), so no rank builds the whole model, and a pipeline stage does
-not read the others' blocks. (Helix holds every block until its first step, so it reads them all then;
-a shard reads its whole tensor once and keeps its slice.)
+not read the others' blocks. A block still waiting on the meta device for its first call (tensor
+parallelism and helix defer blocks so: docs/design.md, "Deferred initialisation") reads its tensors from
+the directory then, when it materialises; a shard reads its whole tensor once and keeps its slice.
 
 Call it once the strategy has set the model up, e.g. in ``on_fit_start``; with a model built on the meta
 device in ``configure_model`` (deferred initialisation) the tensors it loads count as initialised::
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -47,11 +49,11 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
     strategy = getattr(trainer, "strategy", trainer)
     if strategy is None:  # the trainer of a LightningModule
         strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
-    if hasattr(strategy, "materialize_pending"):
-        strategy.materialize_pending()  # deferred blocks awaiting their first call get their memory now
     targets = module.state_dict(keep_vars=True)
     prefix, convert = _placement(module, strategy)
-    _check_placed(module, targets, strategy if convert is not None else None)
+    pending = {n[len(prefix) :] for n in _pending_names(strategy) if n.startswith(prefix)}
+    placed = {k: t for k, t in targets.items() if k not in pending}
+    _check_placed(module, placed, strategy if convert is not None else None)
     objects = {}
     for name, t in targets.items():
         objects.setdefault(id(t), []).append(name)
@@ -69,7 +71,7 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
                         unused.append(key)
                         continue
                     first = found.setdefault(id(target), key)
-                    if target.is_meta:  # another pipeline stage's block: not read
+                    if target.is_meta:  # another pipeline stage's block, or a pending one: not read now
                         continue
                     value = f.get_tensor(key)
                     if tuple(value.shape) != tuple(target.shape):
@@ -90,7 +92,33 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optiona
         raise ConfigurationError(
             f"{os.fspath(path)} lacks {len(missing)} tensor(s) of {type(module).__name__}: {sorted(missing)[:8]}"
         )
+    if pending:  # read when each block materialises (strategy.defer_restore)
+        strategy.defer_restore(model=_reader(files, prefix))
     return sorted(unused)
+
+
+def _pending_names(strategy: Optional[Any]) -> set[str]:
+    names = getattr(strategy, "pending_names", None)
+    return names() if callable(names) else set()
+
+
+def _reader(files: dict[str, str], prefix: str) -> Callable[[list[str]], dict[str, Tensor]]:
+    """A pending block's source: its tensors (the LightningModule's names) read from the directory."""
+    from safetensors import safe_open
+
+    def read(names: list[str]) -> dict[str, Tensor]:
+        wanted: dict[str, list[tuple[str, str]]] = {}
+        for name in names:
+            key = name[len(prefix) :] if name.startswith(prefix) else None
+            if key is not None and key in files:
+                wanted.setdefault(files[key], []).append((name, key))
+        out = {}
+        for file, pairs in wanted.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                out.update({name: f.get_tensor(key) for name, key in pairs})
+        return out
+
+    return read
 
 
 def _check_placed(module: nn.Module, targets: dict[str, Tensor], strategy: Optional[Any]) -> None:

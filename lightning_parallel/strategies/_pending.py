@@ -1,7 +1,13 @@
 """Deferred blocks kept on meta until their first call (docs/design.md, "Deferred initialisation"): under
 tensor parallelism and helix what a rank keeps of a block is known only once the block's anatomy has
 verified at its first call, so a deferred block is *pending* until then and materialises there, one at a
-time, by the rule of :mod:`lightning_parallel.materialize`."""
+time, by the rule of :mod:`lightning_parallel.materialize`.
+
+Values loaded while a block is pending (a checkpoint's restore, ``load_pretrained``) are not read then:
+each load registers a *source* (:meth:`PendingBlocksMixin.defer_restore`), a function from state-dict names
+to the tensors it has, and a block reads its own keys from every source, in order, when it materialises;
+a restored optimizer's state for the block's parameters is read there too. So resuming never holds more
+than the blocks' share plus the one block materialising."""
 
 from __future__ import annotations
 
@@ -13,24 +19,55 @@ import torch
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.base import ConfigurationError
 from lightning_parallel.blocks import BlockConfig
-from lightning_parallel.materialize import check_set, materialize_
+from lightning_parallel.materialize import _direct, check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP
 from lightning_parallel.tensor_parallel import local
 from lightning_parallel.trunk import Trunk
+
+#: state-dict names (of the LightningModule) -> the tensors a source holds of them
+Source = Callable[[list[str]], dict[str, torch.Tensor]]
+#: parameter names -> per optimizer, the restored state of those it holds (``{name: {key: value}}``)
+OptimizerSource = Callable[[list[str]], list[dict[str, dict[str, Any]]]]
 
 
 class PendingBlocksMixin:
     """Mixed into ``HybridParallelStrategy``, which sets ``_pending`` at set-up (:func:`pending_blocks`)."""
 
     _pending: list[torch.nn.Module]
-    _pending_hooks: dict[int, Any]
+    _pending_hooks: dict[int, list[Any]]
+    _borrowed: dict[int, list[tuple[torch.nn.Module, str, bool, torch.Tensor]]]
+    _constructed: set[tuple[int, int]]
+    _sources: list[Source]
+    _optimizer_source: Optional[OptimizerSource]
     _materialized: list[Any]
     _init_seed: int
     _mesh: Any
 
     def _hook_pending(self) -> None:
-        hook = _first_call_hook(self)
-        self._pending_hooks = {id(b): b.register_forward_pre_hook(hook) for b in self._pending}
+        before, after = _first_call_hook(self), _after_call_hook(self)
+        self._pending_hooks = {
+            id(b): [b.register_forward_pre_hook(before), b.register_forward_hook(after)] for b in self._pending
+        }
+        self._borrowed = {}
+
+    def defer_restore(self, model: Optional[Source] = None, optimizer: Optional[OptimizerSource] = None) -> None:
+        """Values loaded now for the model (``model``: added after the earlier sources, so it wins where both
+        hold a key) or for the optimizers (``optimizer``: replaces an earlier one) reach a pending block when it
+        materialises; nothing is read now. Without pending blocks nothing is kept."""
+        if not self._pending:
+            return
+        if model is not None:
+            self._sources.append(model)
+        if optimizer is not None:
+            self._optimizer_source = optimizer
+
+    def pending_names(self) -> set[str]:
+        """The LightningModule's state-dict names of the pending blocks' tensors."""
+        lm = self.lightning_module
+        if not self._pending or lm is None:
+            return set()
+        prefix = {id(m): n for n, m in lm.named_modules()}
+        return {k for b in self._pending for k in b.state_dict(prefix=f"{prefix[id(b)]}.", keep_vars=True)}
 
     def _deferred_blocks(
         self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, torch.nn.Module]]
@@ -59,21 +96,68 @@ class PendingBlocksMixin:
         assert lm is not None
         prefix = {id(m): n for n, m in lm.named_modules()}
         for block in todo:
+            name = prefix[id(block)]
             before = dict(block.named_parameters())
-            with torch.inference_mode(False):
+            with torch.inference_mode(False):  # parameters and optimizer state for training
                 record = materialize_(lm, self.root_device, self._init_seed, only=[block])
                 if check:
                     self._broadcast_block(block)
-            after = dict(block.named_parameters())
-            self._pending = [b for b in self._pending if b is not block]
-            self._pending_hooks.pop(id(block)).remove()
-            name = prefix[id(block)]
-            new = [(before[n], after[n], f"{name}.{n}") for n in before if after[n] is not before[n]]
-            self._replace_parameters(new)
+                self._restore_values(block, name)
+                after = dict(block.named_parameters())
+                self._pending = [b for b in self._pending if b is not block]
+                for handle in self._pending_hooks.pop(id(block)):
+                    handle.remove()
+                new = [(before[n], after[n], f"{name}.{n}") for n in before if after[n] is not before[n]]
+                self._replace_parameters(new)
+                self._fresh_state([(old, p) for old, p, _ in new])
+                self._restore_optimizer_state(block, name)
             if check and (message := check_set(record)) is not None:
                 raise ConfigurationError(message)
             if not check:
                 self._materialized.append(record)
+        if not self._pending:  # nothing left to restore: the sources' references go
+            self._sources, self._optimizer_source = [], None
+
+    def _restore_values(self, block: torch.nn.Module, name: str) -> None:
+        """Copy into a just-materialised block what each source holds of it (whole tensors, original order)."""
+        if not self._sources:
+            return
+        targets = block.state_dict(prefix=f"{name}.", keep_vars=True)
+        with torch.no_grad():
+            for source in self._sources:
+                for key, value in source(list(targets)).items():
+                    target = targets[key]
+                    if tuple(value.shape) != tuple(target.shape):
+                        raise ConfigurationError(
+                            f"restoring {key!r}: the loaded tensor has shape {tuple(value.shape)}, the model's"
+                            f" {tuple(target.shape)}"
+                        )
+                    target.copy_(value)
+
+    def _restore_optimizer_state(self, block: torch.nn.Module, name: str) -> None:
+        """The restored optimizer state of a just-materialised block's parameters, cast as
+        ``Optimizer.load_state_dict`` casts it (floating state to the parameter's dtype and device)."""
+        if self._optimizer_source is None:
+            return
+        params = {f"{name}.{n}": p for n, p in block.named_parameters()}
+        for opt, saved in zip(self.optimizers, self._optimizer_source(list(params))):  # type: ignore[attr-defined]
+            for group in opt.param_groups:
+                held = {id(p) for p in group["params"]}
+                settings = [{**{k: v for k, v in group.items() if k != "params"}, "params": [0]}]
+                for key, state in saved.items():
+                    p = params[key]
+                    if id(p) in held:
+                        opt.state[p] = {k: _cast(p, v, settings, k) for k, v in state.items()}
+
+    def _fresh_state(self, replaced: list[tuple[torch.nn.Parameter, torch.nn.Parameter]]) -> None:
+        """State an optimizer built at construction (Adagrad's ``sum``) for a pending parameter was made on meta
+        and dropped at set-up (``_constructed``): it is built for the materialised one, by a throw-away optimizer
+        of the same class and group settings."""
+        for opt in self.optimizers:  # type: ignore[attr-defined]
+            for old, new in replaced:
+                if (id(opt), id(old)) in self._constructed:
+                    self._constructed.discard((id(opt), id(old)))
+                    opt.state[new] = constructed_state(opt, new)
 
     def _broadcast_block(self, block: torch.nn.Module, axes: tuple[str, ...] = (DP, SP, TP)) -> None:
         """Rank 0's values of a block just materialised, along the mesh axes whose ranks all hold it whole."""
@@ -85,7 +169,63 @@ class PendingBlocksMixin:
                 _collectives.broadcast_(tensors, self._mesh.get_group(axis))
 
     def _materialize_at_first_call(self, block: torch.nn.Module) -> None:
-        self.materialize_pending([block], check=True)
+        if not any(b is block for b in self._pending):  # a copy of a pending block (a probe): nothing to do
+            return
+        if self._lends_pending():
+            self._borrow(block)
+        else:
+            self.materialize_pending([block], check=True)
+
+    def _lends_pending(self) -> bool:
+        """Whether a pending block called now is lent (materialised for this call only) rather than kept: helix
+        evaluating before its first step has split the blocks (every stage runs every block then)."""
+        return False
+
+    def _borrow(self, block: torch.nn.Module) -> None:
+        """Materialise a pending block for one call, by the rule of :meth:`materialize_pending` (the same values,
+        rank 0's, the sources' restored ones; uninitialised tensors refused); after the call
+        (:meth:`_give_back`) it is on meta again, still pending, so no rank holds more than one block whole."""
+        lm = self.lightning_module
+        assert lm is not None
+        name = next(n for n, m in lm.named_modules() if m is block)
+        meta = [(module, attr, is_param, t) for module in block.modules() for attr, t, is_param in _direct(module)]
+        with torch.inference_mode(False):
+            record = materialize_(lm, self.root_device, self._init_seed, only=[block])
+            self._broadcast_block(block)
+            self._restore_values(block, name)
+        self._borrowed[id(block)] = meta
+        if (message := check_set(record)) is not None:
+            self._give_back(block)
+            raise ConfigurationError(message)
+
+    def _give_back(self, block: torch.nn.Module) -> None:
+        for module, attr, is_param, t in self._borrowed.pop(id(block), []):
+            (module._parameters if is_param else module._buffers)[attr] = t
+
+
+def _cast(param: torch.Tensor, value: Any, settings: list[dict[str, Any]], key: str) -> Any:
+    if not torch.is_tensor(value):
+        return value
+    return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, 0, settings, key)
+
+
+def constructed_state(opt: torch.optim.Optimizer, param: torch.nn.Parameter) -> dict[str, Any]:
+    """The state ``type(opt)`` builds in its constructor for ``param`` under the settings of its group."""
+    group = next(g for g in opt.param_groups if any(q is param for q in g["params"]))
+    fresh = type(opt)([{**{k: v for k, v in group.items() if k != "params"}, "params": [param]}])
+    return dict(fresh.state.get(param, {}))
+
+
+def builds_state_again(opt: torch.optim.Optimizer) -> bool:
+    """Whether :func:`constructed_state` can build ``opt``'s constructor state again (its class takes a list
+    of param groups alone, as torch's optimizers do)."""
+    try:
+        for group in opt.param_groups:
+            probe = torch.nn.Parameter(torch.empty(1, device="meta"))
+            type(opt)([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
+    except Exception:  # noqa: BLE001  (any refusal: the caller materialises instead)
+        return False
+    return True
 
 
 def _first_call_hook(strategy: PendingBlocksMixin) -> Callable[[torch.nn.Module, Any], None]:
@@ -94,6 +234,15 @@ def _first_call_hook(strategy: PendingBlocksMixin) -> Callable[[torch.nn.Module,
 
     def hook(block: torch.nn.Module, args: Any) -> None:
         strategy._materialize_at_first_call(block)
+
+    return hook
+
+
+def _after_call_hook(strategy: PendingBlocksMixin) -> Callable[[torch.nn.Module, Any, Any], None]:
+    """A forward hook putting a block lent for one call (:meth:`PendingBlocksMixin._borrow`) back on meta."""
+
+    def hook(block: torch.nn.Module, args: Any, output: Any) -> None:
+        strategy._give_back(block)
 
     return hook
 

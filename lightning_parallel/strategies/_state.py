@@ -27,8 +27,11 @@ class StateMixin:
     _group_names: list[list[list[str]]]
 
     def materialize_pending(self, blocks: Any = None, check: bool = False) -> None:
-        """Deferred blocks still on meta get their values (``HybridParallelStrategy``): every method below
-        reads or writes the model's values, so it first calls this (no collective)."""
+        """Deferred blocks still on meta get their values (``HybridParallelStrategy``): the methods below that
+        read the model's values whole first call this (no collective)."""
+
+    def defer_restore(self, model: Any = None, optimizer: Any = None) -> None:
+        """Values for blocks still on meta, read when each materialises (``HybridParallelStrategy``)."""
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # type: ignore[misc]
@@ -106,15 +109,24 @@ class StateMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory (any layout) or a plain single-file Lightning checkpoint."""
         path = os.fspath(checkpoint_path)
-        self.materialize_pending()  # restored into the blocks whole (their first call shards them)
         if os.path.isdir(path):
             lm = self.lightning_module  # type: ignore[attr-defined]
             held = [n for n, t in lm.state_dict(keep_vars=True).items() if not t.is_meta] if lm is not None else None
-            return _checkpoint.load_sharded(path, held)  # only what this rank holds is read
+            # only what this rank holds is read; a block still pending (on meta) reads its keys when it
+            # materialises (``lp_deferred``: the restore below registers the directory as its source)
+            checkpoint = _checkpoint.load_sharded(path, held)
+            if getattr(self, "_pending", None):
+                checkpoint["lp_deferred"] = path
+            return checkpoint
+        self.materialize_pending()  # a plain file is read whole: restored into the blocks whole
         return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.materialize_pending()
+        deferred = checkpoint.get("lp_deferred")
+        if deferred is None:
+            self.materialize_pending()
+        else:  # the pending blocks read their values from the directory when they materialise
+            self.defer_restore(model=lambda names: _checkpoint.read_entries(deferred, names, 0)[0])
         lm = self.lightning_module  # type: ignore[attr-defined]
         state = checkpoint["state_dict"]
         if strict:
@@ -135,8 +147,11 @@ class StateMixin:
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Optimizer state by parameter name onto the parameters each rank's optimizer holds; a plain
-        checkpoint's positional state is first named with the full groups of ``configure_optimizers``."""
-        self.materialize_pending()
+        checkpoint's positional state is first named with the full groups of ``configure_optimizers``. The state
+        of a block still pending is read from the directory when the block materialises."""
+        deferred = checkpoint.get("lp_deferred")
+        if deferred is None:
+            self.materialize_pending()
         lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]  # type: ignore[attr-defined]
         optimizers = self.optimizers  # type: ignore[attr-defined]
         if len(saved_states) != len(optimizers):
@@ -153,6 +168,9 @@ class StateMixin:
                 for n, s in saved["state"].items()
             }
             opt.load_state_dict(_checkpoint.to_positional({**saved, "state": state}, _checkpoint.group_names(lm, opt)))
+        if deferred is not None:
+            count = len(saved_states)
+            self.defer_restore(optimizer=lambda names: _checkpoint.read_entries(deferred, names, count)[1])
 
     # ------------------------------------------------------------------------------ gather
     def _full_local_parameters(self) -> dict[str, Tensor]:

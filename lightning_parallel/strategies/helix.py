@@ -111,6 +111,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         )
         self._folds, self._helix_recompute = folds, recompute == "no_attention"
         self._splits: list[Any] = []  # each layer's verified split, once the first step has placed the model
+        self._evaluating = False  # a validation, test or predict loop runs
 
     @property
     def num_microbatches(self) -> int:
@@ -169,8 +170,24 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     @override
     def _deferred_blocks(self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, nn.Module]]) -> list[Any]:
         # each stage keeps a part of every block, known once the first step has verified its split: a deferred
-        # block materialises then (or at an earlier call, e.g. validation before the first step), one at a time
+        # block materialises then, one at a time (evaluation before it borrows each block for one call)
         return list(trunk.blocks)
+
+    @override
+    def _lends_pending(self) -> bool:
+        # evaluation before the first step has split the blocks runs every block on every stage: each deferred
+        # block is lent for its call and goes back to meta, until the first step materialises and splits it
+        return self._evaluating and not self._splits
+
+    @override
+    def _evaluation_starts(self) -> None:
+        super()._evaluation_starts()
+        self._evaluating = True
+
+    @override
+    def _evaluation_ends(self) -> None:
+        self._evaluating = False
+        super()._evaluation_ends()
 
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:

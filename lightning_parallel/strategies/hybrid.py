@@ -60,7 +60,7 @@ from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._full_shard import check_full
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, avoid_mixed_foreach, drop_parameters, replace_parameters
-from lightning_parallel.strategies._pending import PendingBlocksMixin, pending_blocks
+from lightning_parallel.strategies._pending import PendingBlocksMixin, builds_state_again, pending_blocks
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
@@ -199,7 +199,11 @@ class HybridParallelStrategy(
         self._materialized: list[Any] = []  # deferred tensors created at set-up, checked when the loop starts
         self._check_due = False  # set by every rank's set-up: the check's collective runs on all of them
         self._pending: list[torch.nn.Module] = []  # deferred blocks held here, materialised at their first call
-        self._pending_hooks: dict[int, Any] = {}  # id(block) -> the forward pre-hook that materialises it
+        self._pending_hooks: dict[int, list[Any]] = {}  # id(block) -> its hooks (materialise; lent: give back)
+        self._borrowed: dict[int, list[Any]] = {}  # id(block) -> its meta tensors, while lent for one call
+        self._constructed: set[tuple[int, int]] = set()  # (optimizer, pending parameter): state made at construction
+        self._sources: list[Any] = []  # values loaded while blocks were pending, read as each materialises
+        self._optimizer_source: Optional[Any] = None  # likewise, restored optimizer state
         self._init_seed = 0  # rank 0's seed, which deferred initialisation uses
         self._fsdp_root: list[torch.nn.Module] = []  # data_parallel_sharding="full": the units' root, once applied
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
@@ -376,11 +380,18 @@ class HybridParallelStrategy(
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
-            if any(opt.state.get(p) for opt in self.optimizers for b in self._pending for p in b.parameters()):
-                # an optimizer that creates state at construction (Adagrad's sum) made it on meta: build the
-                # optimizers again on materialised blocks (held whole until their first call)
+            built = [o for o in self.optimizers if any(o.state.get(p) for b in self._pending for p in b.parameters())]
+            if not all(builds_state_again(o) for o in built):
+                # an optimizer that creates state at construction (Adagrad's sum) made it on meta, and its class
+                # cannot build it again per parameter at a block's first call: build the optimizers again on
+                # materialised blocks (held whole until their first call)
                 self.materialize_pending()
                 self.setup_optimizers(trainer)
+            else:  # built again for each parameter when its block materialises (PendingBlocksMixin._fresh_state)
+                self._constructed = {(id(o), id(p)) for o in built for b in self._pending for p in b.parameters()}
+                for opt in built:
+                    for p in (p for b in self._pending for p in b.parameters()):
+                        opt.state.pop(p, None)
             pending = {id(p) for b in self._pending for p in b.parameters()}  # replaced when they materialise
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.is_meta and id(p) not in pending})
             if self._sharded or self._fully_sharded:

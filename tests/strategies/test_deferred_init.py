@@ -221,7 +221,11 @@ def test_deferred_llama_refused_under_pipeline_never_a_hang():
         run_distributed(_deferred_llama, 2, "pipeline pp=2", init_process_group=False, timeout=60)
 
 
-def _setup_peak(rank: int, world: int, layout: str) -> tuple[int, int, int, int, int]:
+def _setup_peak(rank: int, world: int, layout: str, mode: str, ckpt: str) -> tuple[int, int, int, int, int, int]:
+    """``mode``: ``"fit"``; ``"resume"`` (fit from a checkpoint of one step: restored after set-up); ``"sanity"``
+    (Lightning's sanity check, validation before the first step). Returns the set-up peak, this rank's share,
+    one block, the model, the most block bytes held beyond the share at a block's first call (or while one
+    was lent to evaluation), and the block bytes held when training starts (after any restore)."""
     from torch.distributed.tensor import DTensor
 
     from lightning_parallel.memory import LiveTensorTracker
@@ -235,58 +239,86 @@ def _setup_peak(rank: int, world: int, layout: str) -> tuple[int, int, int, int,
 
     class Tracked(base):
         first_call_peak = 0
+        at_train_start = -1
 
         def setup(self, trainer):
             with LiveTensorTracker() as tracker:
                 super().setup(trainer)
             self.setup_peak = tracker.peak
 
+        def held(self):
+            return sum(nbytes(p) for p in self.lightning_module.transformer.h.parameters() if not p.is_meta)
+
         def _materialize_at_first_call(self, block):
             super()._materialize_at_first_call(block)  # this block whole, the ones called before it sharded
-            held = sum(nbytes(p) for p in self.lightning_module.transformer.h.parameters() if not p.is_meta)
-            self.first_call_peak = max(self.first_call_peak, held)
+            self.first_call_peak = max(self.first_call_peak, self.held())
+
+        def on_train_start(self):
+            self.at_train_start = self.held()  # after Lightning's restore
+            super().on_train_start()
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 65, (4, 17))  # 4 samples: helix's 4 micro-batches
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
-    module = DeferredGPT(vocab_size=65, block_size=16, n_layer=8, n_head=8, n_embd=512, optimizer="sgd")
-    if layout == "pp=2":
-        strategy = Tracked(pipeline_parallel_size=2, num_microbatches=2)
-    elif layout == "tp=2":
-        strategy = Tracked(data_parallel_size=1, tensor_parallel_size=2)
-    elif layout == "helix":
-        strategy = Tracked(pipeline_parallel_size=2, num_microbatches=4)
-    else:
-        strategy = Tracked(data_parallel_size=2, data_parallel_sharding="full")
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module, train_dataloaders=loader)
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+
+    def run(steps, ckpt=None, val=None):
+        module = DeferredGPT(vocab_size=65, block_size=16, n_layer=8, n_head=8, n_embd=512, optimizer="adamw")
+        if val is not None:
+            module.validation_step = lambda batch, batch_idx: module.training_step(batch, batch_idx)
+        if layout == "pp=2":
+            strategy = Tracked(pipeline_parallel_size=2, num_microbatches=2)
+        elif layout == "tp=2":
+            strategy = Tracked(data_parallel_size=1, tensor_parallel_size=2)
+        elif layout == "helix":
+            strategy = Tracked(pipeline_parallel_size=2, num_microbatches=4)
+        else:
+            strategy = Tracked(data_parallel_size=2, data_parallel_sharding="full")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=1 if val is not None else 0, limit_val_batches=1,
+        )  # fmt: skip
+        trainer.fit(module, train_dataloaders=loader, val_dataloaders=val, ckpt_path=ckpt)
+        return module, strategy, trainer
+
+    if mode == "resume":
+        run(1)[2].save_checkpoint(ckpt)
+    resume = ckpt if mode == "resume" else None
+    module, strategy, _ = run(2 if mode == "resume" else 1, resume, loader if mode == "sanity" else None)
     block = sum(p.numel() * p.element_size() for p in module.transformer.h[0].parameters())  # whole (global)
     share = sum(nbytes(p) for p in module.parameters() if not p.is_meta)
     total = sum(p.numel() * p.element_size() for p in module.parameters())
     blocks_share = sum(nbytes(p) for p in module.transformer.h.parameters() if not p.is_meta)
-    return strategy.setup_peak, share, block, total, strategy.first_call_peak - blocks_share
+    return (strategy.setup_peak, share, block, total, strategy.first_call_peak - blocks_share, strategy.at_train_start)
 
 
-@pytest.mark.parametrize("layout", ["pp=2", "dp=2 full", "tp=2", "helix"])
-def test_setup_holds_its_share_plus_one_block(layout):
+@pytest.mark.parametrize(
+    "layout,mode",
+    [("pp=2", "fit"), ("dp=2 full", "fit"), ("tp=2", "fit"), ("helix", "fit"), ("tp=2", "resume"),
+     ("helix", "resume"), ("helix", "sanity")],
+)  # fmt: skip
+def test_setup_holds_its_share_plus_one_block(layout, mode, tmp_path):
     """Set-up of a deferred model allocates at most this rank's share plus one block (the whole model
     would be twice the share), counted by the live-tensor tracker around the strategy's set-up: a pipeline
     stage materialises its blocks only; full sharding materialises one unit at a time and shards it (its
     shard is made while the unit is whole: half a block more). Tensor parallelism and helix materialise no
     block at set-up, and each block at its first call (helix: when its first step splits it), when the
     blocks before it are sharded or split already: the blocks held then are their share plus at most one
-    block (8 blocks whole at once would be 4 blocks more than the share)."""
+    block (8 blocks whole at once would be 4 blocks more than the share). A resume (``ckpt_path=``) leaves
+    them on meta (each reads its keys from the checkpoint at its first call); helix's evaluation before
+    its first step (the sanity check) lends each block for its call and takes it back."""
     extra = 1.0 if layout == "pp=2" else 1.5
     late = layout in ("tp=2", "helix")
-    for peak, share, block, total, first_call in run_distributed(_setup_peak, 2, layout, init_process_group=False):
+    for peak, share, block, total, first_call, at_start in run_distributed(
+        _setup_peak, 2, layout, mode, str(tmp_path / "step1.ckpt"), init_process_group=False, timeout=120
+    ):
         assert 0.45 * total < share < 0.55 * total  # the rank holds about half of the model
         low = 0.0 if late else 0.9 * share  # these set-ups hold the shards outside the blocks alone
         assert low <= peak <= share + extra * block, (peak / 2**20, share / 2**20, block / 2**20)
         if late:  # tp: this block whole and 7 halves = the share + half a block; helix: its parts of the others
             assert 0 < first_call <= (0.5 if layout == "tp=2" else 1.0) * block + 1, (first_call / 2**20, block)
+            assert at_start == 0  # no block materialised by the restore or the sanity check
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -360,3 +392,36 @@ def test_a_pending_block_materialised_in_inference_mode_or_with_state_built_at_c
     materialised blocks rather than on meta ones."""
     for inference, meta_state, loss in run_distributed(_first_calls, 2, optimizer, init_process_group=False):
         assert not any(inference) and meta_state and not any(meta_state) and math.isfinite(loss)
+
+
+def _validate_a_checkpoint(rank: int, world: int, ckpt: str) -> tuple[float, float, int]:
+    from tests.helpers.parity import build
+
+    def trainer(steps):
+        return L.Trainer(
+            accelerator="cpu", devices=2, strategy=HelixParallelStrategy(pipeline_parallel_size=2), max_steps=steps,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=2,
+        )  # fmt: skip
+
+    module, data = build("gpt-deferred", 4, "adamw")
+    first = trainer(2)
+    first.fit(module, datamodule=data)
+    first.save_checkpoint(ckpt)
+    after_fit = first.validate(module, datamodule=data, verbose=False)[0]["val_loss"]  # split blocks
+    module, data = build("gpt-deferred", 4, "adamw", seed=1)  # other initial values: the checkpoint's count
+    second = trainer(2)
+    restored = second.validate(module, datamodule=data, ckpt_path=ckpt, verbose=False)[0]["val_loss"]
+    pending = len(second.strategy._pending)  # validation lent each block: none stays materialised
+    return after_fit, restored, pending
+
+
+def test_helix_validates_a_checkpoint_before_any_step_with_its_values_lending_each_block(tmp_path):
+    """``trainer.validate(ckpt_path=)`` on a deferred helix model: no step has split the blocks, so every stage
+    runs every block, each lent for its call with the checkpoint's values (read from the directory then) and
+    taken back; the loss is the one the trained model validates with."""
+    for after_fit, restored, pending in run_distributed(
+        _validate_a_checkpoint, 2, str(tmp_path / "helix.ckpt"), init_process_group=False, timeout=120
+    ):
+        assert pending == 8
+        assert math.isclose(restored, after_fit, rel_tol=1e-5), (restored, after_fit)
