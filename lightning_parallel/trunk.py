@@ -102,12 +102,13 @@ def parameter_bytes(module: nn.Module) -> int:
     return total
 
 
-def materialised_to(module: nn.Module, device: torch.device) -> nn.Module:
+def materialised_to(module: nn.Module, device: torch.device, skip: set[int] = frozenset()) -> nn.Module:  # type: ignore[assignment]
     """Move the materialised parameters and buffers of ``module`` to ``device`` (meta ones stay, and so do
-    tensor-parallel DTensors, which live on their mesh's device)."""
+    tensor-parallel DTensors, which live on their mesh's device, and the tensors whose ids are in ``skip``).
+    The tensor objects stay (``.data`` is replaced): optimizers keep holding them."""
     from torch.distributed.tensor import DTensor
 
     for t in [*module.parameters(), *module.buffers()]:
-        if t.device.type != "meta" and not isinstance(t, DTensor):
+        if t.device.type != "meta" and not isinstance(t, DTensor) and id(t) not in skip:
             t.data = t.data.to(device)
     return module

@@ -7,7 +7,12 @@ Values loaded while a block is pending (a checkpoint's restore, ``load_pretraine
 each load registers a *source* (:meth:`PendingBlocksMixin.defer_restore`), a function from state-dict names
 to the tensors it has, and a block reads its own keys from every source, in order, when it materialises;
 a restored optimizer's state for the block's parameters is read there too. So resuming never holds more
-than the blocks' share plus the one block materialising."""
+than the blocks' share plus the one block materialising.
+
+A block built eagerly (not on meta) is pending the same way where the device is not the host: it stays
+where it was built (host memory) through set-up, which broadcasts its values one block at a time through
+the device, and moves to the device at its first call; so no device holds more than its share plus one
+block, as with a deferred block (:meth:`PendingBlocksMixin.keeps_on_host`)."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.materialize import _direct, check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP
 from lightning_parallel.tensor_parallel import local
-from lightning_parallel.trunk import Trunk
+from lightning_parallel.trunk import Trunk, materialised_to
 
 #: state-dict names (of the LightningModule) -> the tensors a source holds of them
 Source = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -62,12 +67,45 @@ class PendingBlocksMixin:
             self._optimizer_source = optimizer
 
     def pending_names(self) -> set[str]:
-        """The LightningModule's state-dict names of the pending blocks' tensors."""
+        """The LightningModule's state-dict names of the deferred (meta) pending blocks' tensors."""
         lm = self.lightning_module
-        if not self._pending or lm is None:
+        deferred = [b for b in self._pending if _has_meta(b)]
+        if not deferred or lm is None:
             return set()
         prefix = {id(m): n for n, m in lm.named_modules()}
-        return {k for b in self._pending for k in b.state_dict(prefix=f"{prefix[id(b)]}.", keep_vars=True)}
+        return {k for b in deferred for k in b.state_dict(prefix=f"{prefix[id(b)]}.", keep_vars=True)}
+
+    def keeps_on_host(self) -> bool:
+        """Whether eager blocks stay in host memory until their first call: where the device is not the host."""
+        return self.root_device.type != "cpu"  # type: ignore[attr-defined]
+
+    def _on_host(self) -> list[torch.nn.Module]:
+        return [b for b in self._pending if not _has_meta(b)]
+
+    def _host_tensors(self) -> set[int]:
+        """The ids of the tensors of eager blocks held on the host until their first call."""
+        return {id(t) for b in self._on_host() for t in [*b.parameters(), *b.buffers()]}
+
+    def _sync_host_blocks(self) -> None:
+        """Set-up's broadcast from rank 0 (``_sync_module_states``) for the eager blocks kept on the host: one
+        block at a time through the device (a backend such as NCCL sends device memory only)."""
+        host = torch.device("cpu")
+        for block in self._on_host():
+            materialised_to(block, self.root_device)  # type: ignore[attr-defined]
+            self._broadcast_block(block)
+            materialised_to(block, host)
+
+    def _to_device(self, block: torch.nn.Module) -> None:
+        """An eager block's first call: it moves to the device with its optimizer state (restored on the host)."""
+        device = self.root_device  # type: ignore[attr-defined]
+        materialised_to(block, device)
+        params = {id(p) for p in block.parameters()}
+        for opt in self.optimizers:  # type: ignore[attr-defined]
+            for p, state in opt.state.items():
+                if id(p) in params:
+                    for key, value in state.items():
+                        if torch.is_tensor(value) and key != "step":  # as Lightning's _optimizers_to_device
+                            state[key] = value.to(device)
 
     def _deferred_blocks(
         self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, torch.nn.Module]]
@@ -96,6 +134,12 @@ class PendingBlocksMixin:
         assert lm is not None
         prefix = {id(m): n for n, m in lm.named_modules()}
         for block in todo:
+            if not _has_meta(block):  # an eager block kept on the host: its values are synchronised already
+                self._to_device(block)
+                self._pending = [b for b in self._pending if b is not block]
+                for handle in self._pending_hooks.pop(id(block)):
+                    handle.remove()
+                continue
             name = prefix[id(block)]
             before = dict(block.named_parameters())
             with torch.inference_mode(False):  # parameters and optimizer state for training
@@ -159,6 +203,11 @@ class PendingBlocksMixin:
                     self._constructed.discard((id(opt), id(old)))
                     opt.state[new] = constructed_state(opt, new)
 
+    def materialize_deferred(self) -> None:
+        """The pending blocks on meta materialise (:meth:`materialize_pending`); eager ones kept on the host
+        stay there (their values are readable and writable where they are)."""
+        self.materialize_pending([b for b in self._pending if _has_meta(b)])
+
     def _broadcast_block(self, block: torch.nn.Module, axes: tuple[str, ...] = (DP, SP, TP)) -> None:
         """Rank 0's values of a block just materialised, along the mesh axes whose ranks all hold it whole."""
         if self._mesh is None:
@@ -187,6 +236,10 @@ class PendingBlocksMixin:
         (:meth:`_give_back`) it is on meta again, still pending, so no rank holds more than one block whole."""
         lm = self.lightning_module
         assert lm is not None
+        if not _has_meta(block):  # an eager block kept on the host: on the device for the call
+            materialised_to(block, self.root_device)
+            self._borrowed[id(block)] = []
+            return
         name = next(n for n, m in lm.named_modules() if m is block)
         meta = [(module, attr, is_param, t) for module in block.modules() for attr, t, is_param in _direct(module)]
         with torch.inference_mode(False):
@@ -199,8 +252,12 @@ class PendingBlocksMixin:
             raise ConfigurationError(message)
 
     def _give_back(self, block: torch.nn.Module) -> None:
-        for module, attr, is_param, t in self._borrowed.pop(id(block), []):
+        if id(block) not in self._borrowed:
+            return
+        for module, attr, is_param, t in self._borrowed.pop(id(block)):
             (module._parameters if is_param else module._buffers)[attr] = t
+        if not _has_meta(block):  # an eager block: back to the host
+            materialised_to(block, torch.device("cpu"))
 
 
 def _cast(param: torch.Tensor, value: Any, settings: list[dict[str, Any]], key: str) -> Any:
@@ -263,6 +320,12 @@ def _has_meta(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
-def pending_blocks(root: torch.nn.Module, candidates: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The candidates that are deferred (a tensor on meta) and self-contained (no tie would split)."""
-    return [b for b in candidates if _has_meta(b) and _self_contained(root, b)]
+def _on_cpu(module: torch.nn.Module) -> bool:
+    tensors = [*module.parameters(), *module.buffers()]
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+
+
+def pending_blocks(root: torch.nn.Module, candidates: list[torch.nn.Module], host: bool) -> list[torch.nn.Module]:
+    """The candidates that are self-contained (no tie would split) and deferred (a tensor on meta), or, with
+    ``host``, built eagerly in host memory."""
+    return [b for b in candidates if (_has_meta(b) or (host and _on_cpu(b))) and _self_contained(root, b)]

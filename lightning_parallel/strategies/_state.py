@@ -26,7 +26,7 @@ class StateMixin:
     _tp_layout: Optional[TensorParallelLayout]
     _group_names: list[list[list[str]]]
 
-    def materialize_pending(self, blocks: Any = None, check: bool = False) -> None:
+    def materialize_deferred(self) -> None:
         """Deferred blocks still on meta get their values (``HybridParallelStrategy``): the methods below that
         read the model's values whole first call this (no collective)."""
 
@@ -64,12 +64,12 @@ class StateMixin:
     # ------------------------------------------------------------------------------- save
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model under the original names."""
-        self.materialize_pending()
+        self.materialize_deferred()
         local = _checkpoint.local_state_dict(self.lightning_module)  # type: ignore[attr-defined]
         return {k: self._on_disk(k, v) for k, v in local.items()}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        self.materialize_pending()
+        self.materialize_deferred()
         state = _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)  # type: ignore[attr-defined]
         state["state"] = {n: {k: self._on_disk(n, v) for k, v in s.items()} for n, s in state["state"].items()}
         return state
@@ -118,13 +118,13 @@ class StateMixin:
             if getattr(self, "_pending", None):
                 checkpoint["lp_deferred"] = path
             return checkpoint
-        self.materialize_pending()  # a plain file is read whole: restored into the blocks whole
+        self.materialize_deferred()  # a plain file is read whole: restored into the blocks whole
         return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         deferred = checkpoint.get("lp_deferred")
         if deferred is None:
-            self.materialize_pending()
+            self.materialize_deferred()
         else:  # the pending blocks read their values from the directory when they materialise
             self.defer_restore(model=lambda names: _checkpoint.read_entries(deferred, names, 0)[0])
         lm = self.lightning_module  # type: ignore[attr-defined]
@@ -151,7 +151,7 @@ class StateMixin:
         of a block still pending is read from the directory when the block materialises."""
         deferred = checkpoint.get("lp_deferred")
         if deferred is None:
-            self.materialize_pending()
+            self.materialize_deferred()
         lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]  # type: ignore[attr-defined]
         optimizers = self.optimizers  # type: ignore[attr-defined]
         if len(saved_states) != len(optimizers):
@@ -175,7 +175,7 @@ class StateMixin:
     # ------------------------------------------------------------------------------ gather
     def _full_local_parameters(self) -> dict[str, Tensor]:
         """This rank's materialised parameters, whole (tensor-parallel shards gathered: a collective)."""
-        self.materialize_pending()
+        self.materialize_deferred()
         lm = self.lightning_module  # type: ignore[attr-defined]
         layout = self._tp_layout
         out = {}
@@ -193,7 +193,7 @@ class StateMixin:
         on every rank, e.g. after ``trainer.fit`` (the in-memory module then holds only this rank's part)."""
         from lightning_parallel.strategies._partial import partial_allowed
 
-        self.materialize_pending()
+        self.materialize_deferred()
         lm, layout = self.lightning_module, self._tp_layout  # type: ignore[attr-defined]
         with partial_allowed():
             state = lm.state_dict()

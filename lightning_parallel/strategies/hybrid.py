@@ -380,17 +380,18 @@ class HybridParallelStrategy(
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
-            built = [o for o in self.optimizers if any(o.state.get(p) for b in self._pending for p in b.parameters())]
+            deferred = [p for b in self._pending for p in b.parameters() if p.is_meta]
+            built = [o for o in self.optimizers if any(o.state.get(p) for p in deferred)]
             if not all(builds_state_again(o) for o in built):
                 # an optimizer that creates state at construction (Adagrad's sum) made it on meta, and its class
                 # cannot build it again per parameter at a block's first call: build the optimizers again on
                 # materialised blocks (held whole until their first call)
-                self.materialize_pending()
+                self.materialize_deferred()
                 self.setup_optimizers(trainer)
             else:  # built again for each parameter when its block materialises (PendingBlocksMixin._fresh_state)
-                self._constructed = {(id(o), id(p)) for o in built for b in self._pending for p in b.parameters()}
+                self._constructed = {(id(o), id(p)) for o in built for p in deferred}
                 for opt in built:
-                    for p in (p for b in self._pending for p in b.parameters()):
+                    for p in deferred:
                         opt.state.pop(p, None)
             pending = {id(p) for b in self._pending for p in b.parameters()}  # replaced when they materialise
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.is_meta and id(p) not in pending})
@@ -429,12 +430,14 @@ class HybridParallelStrategy(
         trunk = self._blocks.trunk if self._blocks is not None else discover_trunk(lm, self._trunk_path)
         prepare_model(lm)
         local, freed = self._place_stages(lm, trunk)
+        if first:
+            # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
+            # stay on meta, or on the host, until then (:meth:`materialize_pending`): set-up holds this rank's
+            # share only
+            self._pending = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
             vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
-            # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
-            # stay on meta until then (:meth:`materialize_pending`): set-up holds this rank's share only
-            self._pending = pending_blocks(lm, self._deferred_blocks(config, trunk, local))
             # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
             # so set-up never holds the whole embedding and every block at once
             self._materialize(lm, [*freed, *self._pending, *(trunk.blocks if vocabulary else [])], trunk)
@@ -531,7 +534,8 @@ class HybridParallelStrategy(
         parallel shards only along dp and sp); along pp what every stage holds (:meth:`_shared_over_pp`)."""
         if self._mesh is None:
             return
-        held = [t for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta"]
+        host = self._host_tensors()  # eager blocks kept on the host: broadcast one at a time, below
+        held = [t for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta" and id(t) not in host]
         dims = self.parallel_dims
         for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
             if size > 1:
@@ -540,7 +544,9 @@ class HybridParallelStrategy(
                 tensors = [local(t.data) for t in held if not (sharded_along and isinstance(t, DTensor))]
                 _collectives.broadcast_(tensors, self._mesh.get_group(axis))
         if dims.pp > 1:
-            _collectives.broadcast_([local(t.data) for t in self._shared_over_pp(module)], self.pp_group)
+            shared = [t for t in self._shared_over_pp(module) if id(t) not in host]
+            _collectives.broadcast_([local(t.data) for t in shared], self.pp_group)
+        self._sync_host_blocks()
 
     def _shared_over_pp(self, module: torch.nn.Module) -> list[Tensor]:
         """The tensors every pipeline stage holds: those outside the trunk's blocks."""
@@ -551,9 +557,10 @@ class HybridParallelStrategy(
 
     @override
     def model_to_device(self) -> None:
-        """Move what is materialised: freed blocks and deferred (meta) tensors stay where they are."""
+        """Move what is materialised: freed blocks, deferred (meta) tensors and the eager blocks kept on the host
+        until their first call stay where they are."""
         assert self.model is not None
-        materialised_to(self.model, self.root_device)
+        materialised_to(self.model, self.root_device, skip=self._host_tensors())
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:

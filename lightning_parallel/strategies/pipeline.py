@@ -238,9 +238,12 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         sizes = [len(r) for r in placement]
         lines = [f"{self.strategy_name} over {path!r}: {len(placement)} chunks, blocks per chunk {sizes}"]
         lines += [f"  rank {r}: stage {s}, {b / 2**20:.2f} MiB of parameters" for r, s, b in table]
-        if self._pending:  # the same count on every rank of this layout
-            n = len(self._pending)
-            lines.append(f"  not counted yet: {n} deferred block(s) per rank, materialised at their first call")
+        deferred = sum(any(p.is_meta for p in b.parameters()) for b in self._pending)
+        if deferred:  # the same count on every rank of this layout
+            lines.append(f"  not counted yet: {deferred} deferred block(s) per rank, materialised at their first call")
+        if len(self._pending) > deferred:
+            n = len(self._pending) - deferred
+            lines.append(f"  counted, on the host until their first call: {n} block(s) per rank")
         rank_zero_info("\n".join(lines))
 
     # ------------------------------------------------------------------------------- training

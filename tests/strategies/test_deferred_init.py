@@ -64,6 +64,38 @@ def test_ranks_initialised_differently_start_from_rank_0(layout):
     assert_parity("gpt-rank-seeded", strategy, world, data_parallel_size=dp)
 
 
+class _KeepsOnHost:
+    """Eager blocks kept in host memory until their first call, as on a GPU (here the host is the device):
+    the set-up broadcast runs block by block, each block moves at its first call."""
+
+    def keeps_on_host(self):
+        return True
+
+    def setup(self, trainer):
+        super().setup(trainer)
+        kept = self._on_host()
+        assert kept and len(kept) == len(self._pending), (len(kept), len(self._pending))
+
+    def on_train_end(self):
+        assert not self._pending  # every block moved at its first call
+        super().on_train_end()
+
+
+_ON_HOST = {
+    "helix p=2": lambda: type("Helix", (_KeepsOnHost, HelixParallelStrategy), {})(pipeline_parallel_size=2),
+    "tensor_parallel tp=2": lambda: type("TP", (_KeepsOnHost, HybridParallelStrategy), {})(
+        tensor_parallel_size=2, data_parallel_size=1
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(_ON_HOST))
+def test_eager_blocks_kept_on_the_host_until_their_first_call_train_with_parity(layout):
+    """Ranks initialised differently (each seeds with its rank) start from rank 0's values: the blocks kept on
+    the host are broadcast one at a time at set-up, then moved at their first call, with parity."""
+    assert_parity("gpt-rank-seeded", _ON_HOST[layout], 2, data_parallel_size=1)
+
+
 def test_pipeline_materialises_only_its_stage():
     """Each pipeline rank materialises its own blocks: the other stage's stay on meta from the start."""
 
