@@ -4,7 +4,9 @@ time, and copies its part (a pipeline stage skips the other stages' blocks; a sh
 stage-sharded parallelism takes its slice), so no rank builds the whole model, and a pipeline stage does
 not read the others' blocks. A block still waiting on the meta device for its first call (tensor
 parallelism and helix defer blocks so: docs/design.md, "Deferred initialisation") reads its tensors from
-the directory then, when it materialises; a shard reads its whole tensor once and keeps its slice.
+the directory then, when it materialises (so the directory must exist until the first training step; its
+shapes are checked then), with no second read of a tied pair stored under two names inside it; a shard
+reads its whole tensor once and keeps its slice.
 
 Call it once the strategy has set the model up, e.g. in ``on_fit_start``; with a model built on the meta
 device in ``configure_model`` (deferred initialisation) the tensors it loads count as initialised::
@@ -114,6 +116,11 @@ def _reader(files: dict[str, str], prefix: str) -> Callable[[list[str]], dict[st
                 wanted.setdefault(files[key], []).append((name, key))
         out = {}
         for file, pairs in wanted.items():
+            if not os.path.isfile(file):
+                raise ConfigurationError(
+                    f"load_pretrained: {file!r} is gone; blocks still on meta when it was called (tensor parallelism,"
+                    " helix) read their tensors at their first call, so the directory must exist until then"
+                )
             with safe_open(file, framework="pt", device="cpu") as f:
                 out.update({name: f.get_tensor(key) for name, key in pairs})
         return out

@@ -171,6 +171,7 @@ class DataParallelShardingMixin:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._sharded:
             return super().optimizer_state(optimizer)
+        self.materialize_deferred()  # before the swap: state restored or built at materialisation goes to the chunks
         shards, inner = self._shards_of(optimizer), getattr(optimizer, "optimizer", optimizer)
         chunks = inner.state
         inner.state = shards.gathered_state()  # whole, by parameter: the checkpoint moves between layouts

@@ -42,6 +42,7 @@ class PendingBlocksMixin:
     _pending_hooks: dict[int, list[Any]]
     _borrowed: dict[int, list[tuple[torch.nn.Module, str, bool, torch.Tensor]]]
     _constructed: set[tuple[int, int]]
+    _lent: dict[int, bool]
     _sources: list[Source]
     _optimizer_source: Optional[OptimizerSource]
     _materialized: list[Any]
@@ -51,9 +52,10 @@ class PendingBlocksMixin:
     def _hook_pending(self) -> None:
         before, after = _first_call_hook(self), _after_call_hook(self)
         self._pending_hooks = {
-            id(b): [b.register_forward_pre_hook(before), b.register_forward_hook(after)] for b in self._pending
+            id(b): [b.register_forward_pre_hook(before), b.register_forward_hook(after, always_call=True)]
+            for b in self._pending
         }
-        self._borrowed = {}
+        self._borrowed, self._lent = {}, {}  # id(block) -> whether its next lend broadcasts from rank 0
 
     def defer_restore(self, model: Optional[Source] = None, optimizer: Optional[OptimizerSource] = None) -> None:
         """Values loaded now for the model (``model``: added after the earlier sources, so it wins where both
@@ -118,9 +120,11 @@ class PendingBlocksMixin:
     def materialize_pending(self, blocks: Optional[list[torch.nn.Module]] = None, check: bool = False) -> None:
         """Materialise the deferred blocks still on meta (``blocks``: those among them; default: all), by the
         rule of set-up (the same values: they depend on the seed and the module names only; no collective
-        runs, except the first call's broadcast below). Called at a block's first call, and before anything
-        reads or writes the model's values as a whole (a checkpoint's restore or save, ``load_pretrained``,
-        ``full_state_dict``). The optimizers hold
+        runs, except the first call's broadcast below), then reads the block's keys from the sources
+        (:meth:`defer_restore`: a checkpoint restored, ``load_pretrained``) and the restored optimizer state
+        of its parameters. Called at a block's first call, before an optimizer step, and (for the blocks on
+        meta, :meth:`materialize_deferred`) before anything reads or writes the model's values as a whole (a
+        save, a plain checkpoint file's restore, ``full_state_dict``). The optimizers hold
         the new parameters in place of the meta ones. ``check``: refuse tensors nothing initialised now (their
         first call: nothing can restore them later), and make every rank start from rank 0's values of the
         block (as set-up's broadcast does for what is materialised there: a reset that does not draw from
@@ -201,7 +205,8 @@ class PendingBlocksMixin:
             for old, new in replaced:
                 if (id(opt), id(old)) in self._constructed:
                     self._constructed.discard((id(opt), id(old)))
-                    opt.state[new] = constructed_state(opt, new)
+                    if state := constructed_state(opt, new):
+                        opt.state[new] = state
 
     def materialize_deferred(self) -> None:
         """The pending blocks on meta materialise (:meth:`materialize_pending`); eager ones kept on the host
@@ -242,14 +247,27 @@ class PendingBlocksMixin:
             return
         name = next(n for n, m in lm.named_modules() if m is block)
         meta = [(module, attr, is_param, t) for module in block.modules() for attr, t, is_param in _direct(module)]
-        with torch.inference_mode(False):
-            record = materialize_(lm, self.root_device, self._init_seed, only=[block])
-            self._broadcast_block(block)
-            self._restore_values(block, name)
         self._borrowed[id(block)] = meta
-        if (message := check_set(record)) is not None:
+        try:
+            with torch.inference_mode(False):
+                record = materialize_(lm, self.root_device, self._init_seed, only=[block])
+                if self._lent.get(id(block), True):  # the first lend, or the ranks' values differed then
+                    self._lent[id(block)] = not self._agrees_with_rank_0(block)
+                self._restore_values(block, name)
+            if (message := check_set(record)) is not None:
+                raise ConfigurationError(message)
+        except BaseException:
             self._give_back(block)
-            raise ConfigurationError(message)
+            raise
+
+    def _agrees_with_rank_0(self, block: torch.nn.Module) -> bool:
+        """Broadcast rank 0's values of a block just materialised (:meth:`_broadcast_block`); whether every rank
+        had them already (then a later lend of the block needs no collective: its rule gives them again). A
+        collective over the world: every rank lends the block (helix before its first step)."""
+        own = [t.detach().clone() for t in [*block.parameters(), *block.buffers()]]
+        self._broadcast_block(block)
+        same = all(torch.equal(a, b) for a, b in zip(own, [*block.parameters(), *block.buffers()]))
+        return all(_collectives.all_gather_object(same))
 
     def _give_back(self, block: torch.nn.Module) -> None:
         if id(block) not in self._borrowed:
@@ -268,7 +286,9 @@ def _cast(param: torch.Tensor, value: Any, settings: list[dict[str, Any]], key: 
 
 def constructed_state(opt: torch.optim.Optimizer, param: torch.nn.Parameter) -> dict[str, Any]:
     """The state ``type(opt)`` builds in its constructor for ``param`` under the settings of its group."""
-    group = next(g for g in opt.param_groups if any(q is param for q in g["params"]))
+    group = next((g for g in opt.param_groups if any(q is param for q in g["params"])), None)
+    if group is None:  # not this optimizer's parameter
+        return {}
     fresh = type(opt)([{**{k: v for k, v in group.items() if k != "params"}, "params": [param]}])
     return dict(fresh.state.get(param, {}))
 

@@ -180,6 +180,11 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         return self._evaluating and not self._splits
 
     @override
+    def setup(self, trainer: Any) -> None:
+        self._evaluating = False  # a loop that failed before its end left it on
+        super().setup(trainer)
+
+    @override
     def _evaluation_starts(self) -> None:
         super()._evaluation_starts()
         self._evaluating = True

@@ -202,6 +202,7 @@ class HybridParallelStrategy(
         self._pending_hooks: dict[int, list[Any]] = {}  # id(block) -> its hooks (materialise; lent: give back)
         self._borrowed: dict[int, list[Any]] = {}  # id(block) -> its meta tensors, while lent for one call
         self._constructed: set[tuple[int, int]] = set()  # (optimizer, pending parameter): state made at construction
+        self._lent: dict[int, bool] = {}  # id(block) -> whether its next lend (helix evaluation) broadcasts
         self._sources: list[Any] = []  # values loaded while blocks were pending, read as each materialises
         self._optimizer_source: Optional[Any] = None  # likewise, restored optimizer state
         self._init_seed = 0  # rank 0's seed, which deferred initialisation uses
@@ -389,10 +390,10 @@ class HybridParallelStrategy(
                 self.materialize_deferred()
                 self.setup_optimizers(trainer)
             else:  # built again for each parameter when its block materialises (PendingBlocksMixin._fresh_state)
-                self._constructed = {(id(o), id(p)) for o in built for p in deferred}
+                self._constructed = {(id(o), id(p)) for o in built for p in deferred if o.state.get(p)}
                 for opt in built:
                     for p in deferred:
-                        opt.state.pop(p, None)
+                        opt.state.pop(p, None)  # on meta: built again at materialisation
             pending = {id(p) for b in self._pending for p in b.parameters()}  # replaced when they materialise
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.is_meta and id(p) not in pending})
             if self._sharded or self._fully_sharded:

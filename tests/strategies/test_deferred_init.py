@@ -400,6 +400,9 @@ def _first_calls(rank: int, world: int, optimizer: str) -> tuple[list[bool], lis
     module, data = build("gpt-deferred", 4, "sgd")
     if optimizer == "adagrad":  # creates its state ("sum") in its constructor, from the parameters
         module.configure_optimizers = lambda: torch.optim.Adagrad(module.parameters(), lr=0.01)
+    if optimizer == "adagrad-subset":  # over some parameters only: it builds state for those alone
+        subset = lambda: [p for n, p in module.named_parameters() if ".mlp." not in n]  # noqa: E731
+        module.configure_optimizers = lambda: torch.optim.Adagrad(subset(), lr=0.01)
 
     class InInferenceMode(HybridParallelStrategy):
         def _materialize_at_first_call(self, block):
@@ -414,16 +417,27 @@ def _first_calls(rank: int, world: int, optimizer: str) -> tuple[list[bool], lis
     trainer.fit(module, datamodule=data)
     opt = trainer.optimizers[0]
     states = [t.is_meta for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    return [p.is_inference() for p in module.parameters()], states, trainer.callback_metrics["train_loss"].item()
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    complete = all(p in opt.state for p in module.parameters() if id(p) in held)
+    steps = trainer.global_step, trainer.current_epoch
+    loss = trainer.callback_metrics["train_loss"].item()
+    return [p.is_inference() for p in module.parameters()], states, complete, steps, loss
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adagrad-subset"])
 def test_a_pending_block_materialised_in_inference_mode_or_with_state_built_at_construction_trains(optimizer):
     """A first call inside ``torch.inference_mode()`` (evaluation before the first step, on NCCL) makes
-    normal parameters; an optimizer that builds its state in its constructor (Adagrad) is built again on
-    materialised blocks rather than on meta ones."""
-    for inference, meta_state, loss in run_distributed(_first_calls, 2, optimizer, init_process_group=False):
+    normal parameters; an optimizer that builds its state in its constructor (Adagrad) builds it for each
+    parameter it holds when its block materialises (none on meta, none missing), also when it holds some of
+    a block's parameters only, and the two steps run in one epoch."""
+    for inference, meta_state, complete, steps, loss in run_distributed(
+        _first_calls, 2, optimizer, init_process_group=False
+    ):
         assert not any(inference) and meta_state and not any(meta_state) and math.isfinite(loss)
+        # max_steps=2: the data's one epoch of 2 batches; a first call raising StopIteration (which Lightning's
+        # loop takes for the end of the data) would end an epoch at each of the 8 blocks
+        assert steps == (2, 1), steps
+        assert complete or optimizer == "sgd"
 
 
 def _validate_a_checkpoint(rank: int, world: int, ckpt: str) -> tuple[float, float, int]:
@@ -442,6 +456,14 @@ def _validate_a_checkpoint(rank: int, world: int, ckpt: str) -> tuple[float, flo
     first.save_checkpoint(ckpt)
     after_fit = first.validate(module, datamodule=data, verbose=False)[0]["val_loss"]  # split blocks
     module, data = build("gpt-deferred", 4, "adamw", seed=1)  # other initial values: the checkpoint's count
+    validation_step = module.validation_step
+
+    def uneven(batch, batch_idx):  # rank 0 alone runs the model once more: a lend after the first has no collective
+        if batch_idx == 1 and rank == 0:
+            module(batch[0])
+        return validation_step(batch, batch_idx)
+
+    module.validation_step = uneven
     second = trainer(2)
     restored = second.validate(module, datamodule=data, ckpt_path=ckpt, verbose=False)[0]["val_loss"]
     pending = len(second.strategy._pending)  # validation lent each block: none stays materialised
@@ -451,7 +473,8 @@ def _validate_a_checkpoint(rank: int, world: int, ckpt: str) -> tuple[float, flo
 def test_helix_validates_a_checkpoint_before_any_step_with_its_values_lending_each_block(tmp_path):
     """``trainer.validate(ckpt_path=)`` on a deferred helix model: no step has split the blocks, so every stage
     runs every block, each lent for its call with the checkpoint's values (read from the directory then) and
-    taken back; the loss is the one the trained model validates with."""
+    taken back; the loss is the one the trained model validates with. Only a block's first lend broadcasts
+    (the ranks' own values agreed), so a forward on one rank alone later does not hang."""
     for after_fit, restored, pending in run_distributed(
         _validate_a_checkpoint, 2, str(tmp_path / "helix.ckpt"), init_process_group=False, timeout=120
     ):
