@@ -154,7 +154,7 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
     "layout,model",
     [
         ("pp2", "gpt"),
-        ("helix2", "gpt"),
+        pytest.param("helix2", "gpt", marks=pytest.mark.slow),  # helix2 resumes fast with the deferred GPT
         ("dp2", "gpt"),
         ("dp2zero", "gpt"),
         pytest.param("dp2tp2zero", "gpt", marks=pytest.mark.slow),  # dp2zero and tp2 resume fast
@@ -359,7 +359,9 @@ def test_other_example_models_resume_under_another_layout(model, tmp_path):
 # ---------------------------------------------------------------------- tensor-parallel layouts
 
 
-@pytest.mark.parametrize("model", ["gpt", "encoder"])  # fused q|k|v: nanoGPT's c_attn, MHA's in_proj_weight
+@pytest.mark.parametrize(  # fused q|k|v: nanoGPT's c_attn, MHA's in_proj_weight
+    "model", ["gpt", pytest.param("encoder", marks=pytest.mark.slow)]
+)
 def test_tensor_parallel_checkpoint_holds_the_original_layout_and_round_trips(model, tmp_path):
     tp2, one = str(tmp_path / "tp2.ckpt"), str(tmp_path / "one.ckpt")
     _run("tp2", 2, ckpt_out=tp2, model=model)

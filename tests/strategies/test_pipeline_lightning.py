@@ -302,8 +302,14 @@ SIGTERM_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "strategy", ["pipeline", "helix", "tensor_parallel", pytest.param("hybrid", marks=pytest.mark.slow)]
-)  # hybrid's path is tensor_parallel's (HybridParallelStrategy.on_exception)
+    "strategy",
+    [
+        "pipeline",
+        pytest.param("helix", marks=pytest.mark.slow),  # helix's path is the pipeline's (its on_exception)
+        "tensor_parallel",
+        pytest.param("hybrid", marks=pytest.mark.slow),  # hybrid's is tensor_parallel's (HybridParallelStrategy's)
+    ],
+)
 def test_sigterm_ends_every_strategy_the_same_way(strategy, tmp_path):
     """SIGTERM mid-step: no hang (no collective inside the signal handler), every strategy exits 143 (128 +
     SIGTERM) so that schedulers requeueing on the exit code see it, and no teardown error hides the cause."""
