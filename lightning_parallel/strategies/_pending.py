@@ -16,7 +16,7 @@ block, as with a deferred block (:meth:`PendingBlocksMixin.keeps_on_host`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any, Optional
 
 import torch
@@ -43,6 +43,7 @@ class PendingBlocksMixin:
     _borrowed: dict[int, list[tuple[torch.nn.Module, str, bool, torch.Tensor]]]
     _constructed: set[tuple[int, int]]
     _lent: dict[int, bool]
+    _host_data: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
     _sources: list[Source]
     _optimizer_source: Optional[OptimizerSource]
     _materialized: list[Any]
@@ -56,6 +57,7 @@ class PendingBlocksMixin:
             for b in self._pending
         }
         self._borrowed, self._lent = {}, {}  # id(block) -> whether its next lend broadcasts from rank 0
+        self._host_data = {}  # id(block) -> its tensors' host memory while lent to the device
 
     def defer_restore(self, model: Optional[Source] = None, optimizer: Optional[OptimizerSource] = None) -> None:
         """Values loaded now for the model (``model``: added after the earlier sources, so it wins where both
@@ -97,17 +99,38 @@ class PendingBlocksMixin:
             self._broadcast_block(block)
             materialised_to(block, host)
 
-    def _to_device(self, block: torch.nn.Module) -> None:
-        """An eager block's first call: it moves to the device with its optimizer state (restored on the host)."""
-        device = self.root_device  # type: ignore[attr-defined]
-        materialised_to(block, device)
-        params = {id(p) for p in block.parameters()}
+    def states_to_device(self) -> None:
+        """Lightning's ``_optimizers_to_device`` at set-up, except for the parameters kept on the host (their
+        state, e.g. built at construction, moves with them at their first call)."""
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        host, device = self._host_tensors(), self.root_device  # type: ignore[attr-defined]
         for opt in self.optimizers:  # type: ignore[attr-defined]
             for p, state in opt.state.items():
-                if id(p) in params:
-                    for key, value in state.items():
-                        if torch.is_tensor(value) and key != "step":  # as Lightning's _optimizers_to_device
-                            state[key] = value.to(device)
+                if id(p) in host:
+                    continue
+                if not isinstance(state, MutableMapping):  # a custom optimizer's state
+                    opt.state[p] = apply_to_collection(state, torch.Tensor, move_data_to_device, device)
+                    continue
+                for key, value in state.items():
+                    if key != "step":  # where torch wants it (pytorch/pytorch#74424)
+                        state[key] = move_data_to_device(value, device)
+
+    def _to_device(self, block: torch.nn.Module) -> None:
+        """An eager block's first call: it moves to the device with its optimizer state (restored on the host, or
+        built at construction), cast as ``Optimizer.load_state_dict`` places state (``step`` too where the
+        group is fused or capturable). Outside inference mode (a first call in evaluation under NCCL): the
+        parameters are for training."""
+        with torch.inference_mode(False), torch.no_grad():
+            materialised_to(block, self.root_device)  # type: ignore[attr-defined]
+            params = {id(p) for p in block.parameters()}
+            for opt in self.optimizers:  # type: ignore[attr-defined]
+                for group in opt.param_groups:
+                    settings = [{**{k: v for k, v in group.items() if k != "params"}, "params": [0]}]
+                    for p in group["params"]:
+                        if id(p) in params and p in opt.state:
+                            opt.state[p] = {k: _cast(p, v, settings, k) for k, v in opt.state[p].items()}
 
     def _deferred_blocks(
         self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, torch.nn.Module]]
@@ -242,8 +265,11 @@ class PendingBlocksMixin:
         lm = self.lightning_module
         assert lm is not None
         if not _has_meta(block):  # an eager block kept on the host: on the device for the call
-            materialised_to(block, self.root_device)
+            tensors = [*block.parameters(), *block.buffers()]
+            self._host_data[id(block)] = [(t, t.data) for t in tensors]  # given back as they are, no copy
             self._borrowed[id(block)] = []
+            with torch.inference_mode(False), torch.no_grad():
+                materialised_to(block, self.root_device)
             return
         name = next(n for n, m in lm.named_modules() if m is block)
         meta = [(module, attr, is_param, t) for module in block.modules() for attr, t, is_param in _direct(module)]
@@ -274,8 +300,9 @@ class PendingBlocksMixin:
             return
         for module, attr, is_param, t in self._borrowed.pop(id(block)):
             (module._parameters if is_param else module._buffers)[attr] = t
-        if not _has_meta(block):  # an eager block: back to the host
-            materialised_to(block, torch.device("cpu"))
+        with torch.inference_mode(False), torch.no_grad():
+            for t, data in self._host_data.pop(id(block), []):  # an eager block: its host memory again
+                t.data = data
 
 
 def _cast(param: torch.Tensor, value: Any, settings: list[dict[str, Any]], key: str) -> Any:

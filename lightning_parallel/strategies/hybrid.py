@@ -32,7 +32,6 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
@@ -203,6 +202,7 @@ class HybridParallelStrategy(
         self._borrowed: dict[int, list[Any]] = {}  # id(block) -> its meta tensors, while lent for one call
         self._constructed: set[tuple[int, int]] = set()  # (optimizer, pending parameter): state made at construction
         self._lent: dict[int, bool] = {}  # id(block) -> whether its next lend (helix evaluation) broadcasts
+        self._host_data: dict[int, list[Any]] = {}  # id(block) -> its host memory while lent to the device
         self._sources: list[Any] = []  # values loaded while blocks were pending, read as each materialises
         self._optimizer_source: Optional[Any] = None  # likewise, restored optimizer state
         self._init_seed = 0  # rank 0's seed, which deferred initialisation uses
@@ -408,7 +408,7 @@ class HybridParallelStrategy(
                     _sharding.check_optimizer(opt, self._dp_sharding)
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
-            _optimizers_to_device(self.optimizers, self.root_device)
+            self.states_to_device()  # Lightning's _optimizers_to_device, not for the blocks kept on the host
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
 

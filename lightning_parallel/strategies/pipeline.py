@@ -241,9 +241,6 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         deferred = sum(any(p.is_meta for p in b.parameters()) for b in self._pending)
         if deferred:  # the same count on every rank of this layout
             lines.append(f"  not counted yet: {deferred} deferred block(s) per rank, materialised at their first call")
-        if len(self._pending) > deferred:
-            n = len(self._pending) - deferred
-            lines.append(f"  counted, on the host until their first call: {n} block(s) per rank")
         rank_zero_info("\n".join(lines))
 
     # ------------------------------------------------------------------------------- training

@@ -153,7 +153,7 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
 @pytest.mark.parametrize(
     "layout,model",
     [
-        ("pp2", "gpt"),
+        pytest.param("pp2", "gpt", marks=pytest.mark.slow),  # pp2 gpt+sched resumes the pipeline fast
         pytest.param("helix2", "gpt", marks=pytest.mark.slow),  # helix2 resumes fast with the deferred GPT
         ("dp2", "gpt"),
         ("dp2zero", "gpt"),
@@ -201,14 +201,14 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         ("pp2", "helix2"),
         ("dp2", "pp2"),
         ("helix2", "pp2"),
-        ("pp2", "dp2"),
+        pytest.param("pp2", "dp2", marks=pytest.mark.slow),  # dp2 -> pp2 reads dp2's; pp2 is written fast elsewhere
         ("dp2zero", "tp2"),
-        ("pp2", "dp2zero"),
+        pytest.param("pp2", "dp2zero", marks=pytest.mark.slow),  # dp2zero is read from dp2zero -> tp2 fast
         ("dp2full", "pp2"),
         ("pp2", "dp2full"),
         ("dp2zero", "pp2dp2full"),
         ("tp2", "pp2"),  # the embedding and head: vocabulary shards -> shards over the stages
-        ("pp2dp2full", "tp2"),
+        pytest.param("pp2dp2full", "tp2", marks=pytest.mark.slow),  # dp2zero -> pp2dp2full, dp2zero -> tp2 fast
         ("pp2", "auto"),  # Lightning's own strategy resumes from the directory (lightning_parallel._loading)
     ],  # fmt: skip
 )

@@ -215,7 +215,9 @@ def test_registered_name_trains_the_encoder():
     assert_parity("encoder", lambda: "sequence_parallel", 2, data_parallel_size=1)
 
 
-@pytest.mark.parametrize("model,mode", [("encoder", "ulysses"), ("gpt", "ring"), ("llama", "ring")])
+@pytest.mark.parametrize(
+    "model,mode", [("encoder", "ulysses"), pytest.param("gpt", "ring", marks=pytest.mark.slow), ("llama", "ring")]
+)  # llama-ring is ring's fast cell
 def test_sp2_x_tp2_on_four_ranks(model, mode):
     def make():
         return HybridParallelStrategy(

@@ -181,7 +181,9 @@ def _validate_then_fit(rank, world_size, layout, validate_first):
     return {k: v for k, v in trainer.strategy.gather_named_parameters().items()}
 
 
-@pytest.mark.parametrize("layout", ["pipeline", "helix", "helix-deferred", "tp-deferred"])
+@pytest.mark.parametrize(
+    "layout", ["pipeline", pytest.param("helix", marks=pytest.mark.slow), "helix-deferred", "tp-deferred"]
+)  # helix-deferred sets up helix twice too
 def test_validate_then_fit_with_one_strategy_trains_like_fit_alone(layout):
     """A second set-up must not broadcast the stored shards as if every stage held the same values; a
     deferred block first called by validation materialises there (helix: whole, until the first step splits

@@ -129,7 +129,9 @@ def test_hugging_face_models_train_under_the_registered_name(model):
     assert_parity(model, lambda: "tensor_parallel", 2, data_parallel_size=1, gradient_clip_val=0.05)
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", pytest.param("encoder", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "model", ["gpt", pytest.param("llama", marks=pytest.mark.slow), pytest.param("encoder", marks=pytest.mark.slow)]
+)
 def test_pp2_x_tp2_on_four_ranks_with_clipping(model):
     def make():
         return PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)
