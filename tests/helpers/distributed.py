@@ -14,6 +14,7 @@ can deadlock at interpreter exit).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -142,6 +143,7 @@ def _rank_main(
     torch.set_num_threads(1)  # first: a forked child of a multi-threaded parent hangs otherwise
     os.dup2(stderr_fd, 2)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    faulthandler.enable(sys.stderr, all_threads=True)  # a crash (SIGSEGV) prints every thread's stack to the log
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -139,6 +139,9 @@ def test_pp2_x_tp2_on_four_ranks_with_clipping(model):
     assert_parity(model, make, 4, data_parallel_size=1, gradient_clip_val=0.05)
 
 
+# slow tier: rank 0 of its 4 ranks once died of SIGSEGV in its first step in a fresh-clone fast-tier run
+# (2026-12-02; 10 later runs passed, under load too); the harness now prints every thread's stack on a crash
+@pytest.mark.slow
 def test_pp2_x_tp2_with_sequence_parallelism():
     def make():
         return PipelineParallelStrategy(
