@@ -14,10 +14,11 @@ Saving is atomic: every rank writes into ``<path>.partial``; only after all rank
 gathers every rank's write result and raises on all of them if one failed) does rank 0 move the
 directory to ``<path>``. An interrupted save leaves the previous checkpoint at ``<path>`` untouched.
 
-Loading reads the whole directory on every rank without collectives (``no_dist``): Lightning restores
-the model before the strategy places it, so any layout - another pipeline size, helix, data parallel,
-one device - takes the parameters it holds. Optimizer state is mapped by name onto whatever parameters
-the rank's optimizer holds.
+Loading reads on every rank without collectives (``no_dist``), and only the keys the rank holds
+(:func:`load_sharded` with ``held``; DCP's planner with those keys), so any layout - another pipeline
+size, helix, data parallel, one device - takes the parameters it holds; a block still waiting on meta for
+its first call reads its own keys then (:func:`read_entries`). Optimizer state is mapped by name onto
+whatever parameters the rank's optimizer holds.
 """
 
 from __future__ import annotations
