@@ -220,6 +220,22 @@ class PendingBlocksMixin:
                     if id(p) in held:
                         opt.state[p] = {k: _cast(p, v, settings, k) for k, v in state.items()}
 
+    def _drop_constructed_state(self, trainer: Any) -> None:
+        """Set-up, once the optimizers are built: state an optimizer created at construction (Adagrad's ``sum``)
+        for a deferred pending parameter is on meta; it is dropped and built again per parameter when its
+        block materialises (:meth:`_fresh_state`), or, where the optimizer's class cannot do that, every
+        deferred block materialises now and the optimizers are built again (held whole until their first call)."""
+        deferred = [p for b in self._pending for p in b.parameters() if p.is_meta]
+        built = [o for o in self.optimizers if any(o.state.get(p) for p in deferred)]  # type: ignore[attr-defined]
+        if not all(builds_state_again(o) for o in built):
+            self.materialize_deferred()
+            self.setup_optimizers(trainer)  # type: ignore[attr-defined]
+            return
+        self._constructed = {(id(o), id(p)) for o in built for p in deferred if o.state.get(p)}
+        for opt in built:
+            for p in deferred:
+                opt.state.pop(p, None)
+
     def _fresh_state(self, replaced: list[tuple[torch.nn.Parameter, torch.nn.Parameter]]) -> None:
         """State an optimizer built at construction (Adagrad's ``sum``) for a pending parameter was made on meta
         and dropped at set-up (``_constructed``): it is built for the materialised one, by a throw-away optimizer

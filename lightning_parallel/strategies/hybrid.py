@@ -59,7 +59,7 @@ from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._full_shard import check_full
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, avoid_mixed_foreach, drop_parameters, replace_parameters
-from lightning_parallel.strategies._pending import PendingBlocksMixin, builds_state_again, pending_blocks
+from lightning_parallel.strategies._pending import PendingBlocksMixin, pending_blocks
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
@@ -381,19 +381,7 @@ class HybridParallelStrategy(
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
-            deferred = [p for b in self._pending for p in b.parameters() if p.is_meta]
-            built = [o for o in self.optimizers if any(o.state.get(p) for p in deferred)]
-            if not all(builds_state_again(o) for o in built):
-                # an optimizer that creates state at construction (Adagrad's sum) made it on meta, and its class
-                # cannot build it again per parameter at a block's first call: build the optimizers again on
-                # materialised blocks (held whole until their first call)
-                self.materialize_deferred()
-                self.setup_optimizers(trainer)
-            else:  # built again for each parameter when its block materialises (PendingBlocksMixin._fresh_state)
-                self._constructed = {(id(o), id(p)) for o in built for p in deferred if o.state.get(p)}
-                for opt in built:
-                    for p in deferred:
-                        opt.state.pop(p, None)  # on meta: built again at materialisation
+            self._drop_constructed_state(trainer)  # Adagrad's sum made on meta
             pending = {id(p) for b in self._pending for p in b.parameters()}  # replaced when they materialise
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.is_meta and id(p) not in pending})
             if self._sharded or self._fully_sharded:
