@@ -1,8 +1,9 @@
 """Pipeline throughput on 2 CPU processes x 1 thread: single process vs our schedules (GPipe, 1F1B,
-interleaved, HelixPipe) vs torch's Schedule1F1B.
+interleaved, zero bubble, HelixPipe) vs torch's Schedule1F1B and zero-bubble schedules.
 
     .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 --reps 5                       # pipeline schedules
     .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 2048 4096 --m 4 8 --configs helix  # HelixPipe rows
+    .venv/bin/python benchmarks/pipeline.py --seq-lens 1024 --m 8 --configs zb                 # zero-bubble rows
 
 Model: the example GPT (H=128, 8 blocks, 4 heads, character vocabulary), global batch of m sequences,
 micro-batch = 1 sequence, SGD step included. Every configuration runs one step per round, rounds
@@ -14,6 +15,10 @@ repeat A/B/A/B after a warm-up round, and the table reports medians. Rows:
 - ``torch Schedule1F1B``: ``torch.distributed.pipelining`` on the same manual split (embeddings +
   blocks 0-3 | blocks 4-7 + final norm + head), ``loss_fn`` on every rank.
 
+- ``ours zb_h1`` / ``ours zbv``: the zero-bubble schedules (backward split into input and weight gradients;
+  ZB-V with two chunks per stage in a V); ``torch ScheduleInterleavedZeroBubble`` (one stage per rank,
+  the split above) and ``torch ScheduleZBVZeroBubble`` (four chunks of two blocks, rank 0 holding the
+  first and the last) are torch's on the same model;
 - ``ours helix``: HelixPipe (two folds when m allows) through the runtime ``HelixParallelStrategy`` runs;
   ``+rc`` rows use recomputation without attention (helix's default, with its MLP in 2 chunks) and are
   compared with ``ours 1f1b +rc`` (1F1B with the same ``no_attention`` policy), like with like.
@@ -53,7 +58,7 @@ from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block 
 from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # noqa: E402
 from lightning_parallel.pipeline.placement import place_blocks  # noqa: E402
 from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
-from lightning_parallel.pipeline.schedules import build_schedule, simulate  # noqa: E402
+from lightning_parallel.pipeline.schedules import build_schedule, chunk_stages, placement_style, simulate  # noqa: E402
 from lightning_parallel.recompute import apply_recompute  # noqa: E402
 from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_bytes  # noqa: E402
 
@@ -119,13 +124,14 @@ class Single:
 class Ours:
     def __init__(self, seq_len: int, m: int, rank: int, schedule: str, recompute: str = "none") -> None:
         self.model = make_model(seq_len)
-        apply_recompute(self.model, recompute)
-        v = 2 if schedule == "interleaved_1f1b" else 1
+        apply_recompute(self.model, recompute, split_backward=schedule in ("zb_h1", "zbv"))
+        v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
         trunk = discover_trunk(self.model)
-        placement = place_blocks(len(trunk), 2 * v)
-        local = {j for c in range(2 * v) if c % 2 == rank for j in placement[c]}
+        placement, stages = place_blocks(len(trunk), 2 * v), chunk_stages(2, v, placement_style(schedule))
+        local = {j for c in range(2 * v) if stages[c] == rank for j in placement[c]}
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
-        self.runtime = PipelineRuntime(trunk, placement, rank, [0, 1], None, torch.device("cpu"))
+        self.runtime = PipelineRuntime(trunk, placement, rank, [0, 1], None, torch.device("cpu"), stages)
+        self.schedule, self.v = schedule, v
         self.actions = build_schedule(schedule, 2, m, v)[rank]
         x, y = batch(seq_len, m)
         self.micro = [(x[i : i + 1], y[i : i + 1]) for i in range(m)]
@@ -166,14 +172,17 @@ class OursHelix(Ours):
 
 
 class TorchStage(nn.Module):
-    def __init__(self, gpt: GPT, first: bool) -> None:
+    """Blocks ``blocks`` of the GPT, with the embeddings if ``first`` and the final norm and head if ``last``."""
+
+    def __init__(self, gpt: GPT, first: bool, blocks: range | None = None, last: bool | None = None) -> None:
         super().__init__()
-        self.first = first
+        blocks = blocks if blocks is not None else (range(0, 4) if first else range(4, 8))
+        self.first, self.last = first, (not first) if last is None else last
         h = gpt.transformer.h
-        self.blocks = nn.ModuleList(h[:4] if first else h[4:])
-        if first:
+        self.blocks = nn.ModuleList(h[i] for i in blocks)
+        if self.first:
             self.wte, self.wpe = gpt.transformer.wte, gpt.transformer.wpe
-        else:
+        if self.last:
             self.ln_f, self.head = gpt.transformer.ln_f, gpt.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +190,38 @@ class TorchStage(nn.Module):
             x = self.wte(x) + self.wpe(torch.arange(x.size(1)))
         for b in self.blocks:
             x = b(x)
-        return x if self.first else self.head(self.ln_f(x))
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+class TorchZeroBubble:
+    """torch's ``ScheduleInterleavedZeroBubble`` (stage = rank, the 1F1B split) or ``ScheduleZBVZeroBubble``
+    (four chunks of two blocks; rank r holds chunks r and 3 - r)."""
+
+    def __init__(self, seq_len: int, m: int, rank: int, v_shape: bool) -> None:
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+        gpt = make_model(seq_len)
+        ids = [rank, 3 - rank] if v_shape else [rank]
+        n = 4 if v_shape else 2
+        per = LAYERS // n
+        self.modules = [TorchStage(gpt, i == 0, range(i * per, (i + 1) * per), i == n - 1) for i in ids]
+        stages = [PipelineStage(mod, i, n, torch.device("cpu")) for mod, i in zip(self.modules, ids)]
+        loss_fn = lambda logits, tgt: F.cross_entropy(logits.flatten(0, 1), tgt.flatten())  # noqa: E731
+        cls = ScheduleZBVZeroBubble if v_shape else ScheduleInterleavedZeroBubble
+        self.sched = cls(stages, m, loss_fn=loss_fn)
+        self.x, self.y = batch(seq_len, m)
+        self.first, self.last = 0 in ids, n - 1 in ids
+        self.opt = torch.optim.SGD([p for mod in self.modules for p in mod.parameters()], lr=1e-3)
+
+    def step(self, rank: int) -> dict:
+        meter = SavedBytes()
+        args = (self.x,) if self.first else ()
+        kwargs = dict(target=self.y, losses=[]) if self.last else {}
+        with meter.hooks():
+            self.sched.step(*args, **kwargs)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"saved": meter.peak, "params": sum(parameter_bytes(mod) for mod in self.modules)}
 
 
 class Torch1F1B:
@@ -209,6 +249,16 @@ class Torch1F1B:
 
 CONFIGS = {
     "issue3": ["single 1t", "single 2t", "ours gpipe", "ours 1f1b", "ours interleaved", "torch Schedule1F1B"],
+    "zb": [
+        "ours 1f1b",
+        "ours zb_h1",
+        "ours zbv",
+        "torch Schedule1F1B",
+        "torch ScheduleInterleavedZeroBubble",
+        "torch ScheduleZBVZeroBubble",
+        "ours 1f1b +rc",
+        "ours zb_h1 +rc",
+    ],  # fmt: skip
     "helix": [
         "single 1t",
         "single 2t",
@@ -228,6 +278,11 @@ def build(name: str, seq_len: int, m: int, rank: int):
         "ours gpipe": lambda: Ours(seq_len, m, rank, "gpipe"),
         "ours 1f1b": lambda: Ours(seq_len, m, rank, "1f1b"),
         "ours interleaved": lambda: Ours(seq_len, m, rank, "interleaved_1f1b"),
+        "ours zb_h1": lambda: Ours(seq_len, m, rank, "zb_h1"),
+        "ours zbv": lambda: Ours(seq_len, m, rank, "zbv"),
+        "ours zb_h1 +rc": lambda: Ours(seq_len, m, rank, "zb_h1", recompute="no_attention"),
+        "torch ScheduleInterleavedZeroBubble": lambda: TorchZeroBubble(seq_len, m, rank, v_shape=False),
+        "torch ScheduleZBVZeroBubble": lambda: TorchZeroBubble(seq_len, m, rank, v_shape=True),
         "ours 1f1b +rc": lambda: Ours(seq_len, m, rank, "1f1b", recompute="no_attention"),
         "ours helix": lambda: OursHelix(seq_len, m, rank, recompute=False),
         "ours helix +rc": lambda: OursHelix(seq_len, m, rank, recompute=True),
@@ -254,7 +309,7 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
             dist.all_gather_object(everyone, info.pop("events"))
             breakdown = analyze(dict(enumerate(everyone)))[rank]
             info["bubble"], info["times"] = breakdown.bubble, breakdown
-            info["theory"] = theory(name, m, everyone, rank)
+            info["theory"] = theory(name, m, everyone, rank, configs[name])
     for name, cfg in configs.items():  # one more, untimed step per configuration for memory
         dist.barrier()
         tracker = LiveTensorTracker()
@@ -265,16 +320,16 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
     return [(seq_len, m, name, statistics.median(times[name]), extra[name]) for name in configs]
 
 
-def theory(name: str, m: int, everyone: list, rank: int) -> float:
+def theory(name: str, m: int, everyone: list, rank: int, cfg: Any) -> float:
     """The schedule's bubble on a virtual clock with the step's measured mean action costs, no latency."""
     costs = mean_costs(e for events in everyone for e in events)
     if "helix" in name:
         folds = 2 if m % 4 == 0 else 1
-        sim = simulate_helix(helix(2, LAYERS, m, folds), LAYERS, m, folds, lambda a: costs[(a.phase + a.op, a.index)])
+        sim = simulate_helix(helix(2, LAYERS, m, folds), LAYERS, m, folds, lambda a: costs[(a.kind, a.chunk)])
     else:
-        v = 2 if "interleaved" in name else 1
-        schedule = build_schedule({"gpipe": "gpipe", "inte": "interleaved_1f1b"}.get(name[5:9], "1f1b"), 2, m, v)
-        sim = simulate(schedule, 2 * v, m, cost=lambda a: costs[(a.kind, a.chunk)])
+        schedule = build_schedule(cfg.schedule, 2, m, cfg.v)
+        stages = chunk_stages(2, cfg.v, placement_style(cfg.schedule))
+        sim = simulate(schedule, 2 * cfg.v, m, cost=lambda a: costs[(a.kind, a.chunk)], stages=stages)
     return sim.bubble(rank)
 
 

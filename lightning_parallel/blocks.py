@@ -65,6 +65,9 @@ class BlockConfig:
     """``adapter=``: a hand-written adapter's name or an object implementing the adapter protocol."""
     split: bool = False
     """HelixPipe: each block is cut at its attention call (the helix runtime drives the parts)."""
+    split_backward: bool = False
+    """A zero-bubble schedule runs the backward as two calls (input, then weight gradients): recomputation
+    must serve both (``recompute.shared_checkpoint``)."""
     sources: tuple[str, ...] | None = None
     """The sources of anatomy tried after ``adapter=``, in order; ``None``: all of
     :data:`lightning_parallel.anatomy.resolve.SOURCES` (tests narrow them, e.g. without the hand-written adapters)."""
@@ -203,7 +206,14 @@ def compose(block: nn.Module, index: int, anatomy: Any, config: BlockConfig, lay
         policy = "full" if index % config.every_n == 0 else "none"
     if policy != "none":
         extra = frozenset(resolve_op(name) for name in config.attention_kernels)
-        stack = Recomputed(stack, policy, type(block).__name__, extra, keep_communication=config.communicates)
+        stack = Recomputed(
+            stack,
+            policy,
+            type(block).__name__,
+            extra,
+            keep_communication=config.communicates,
+            shared=config.split_backward,
+        )
     return stack
 
 

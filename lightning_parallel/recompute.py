@@ -19,6 +19,11 @@ and the output, O(T^2) memory, which any policy that does not re-run attention m
 softmax, and recomputes the dropout from them (checkpointing restores the RNG state, so the mask is the
 same).
 
+Under a schedule that splits the backward (``zb_h1``, ``zbv``) a block's saved tensors are unpacked twice,
+by the input-gradient and the weight-gradient action; torch's checkpoint recomputes per backward call and
+refuses a second unpack under one ``GraphExecGroup``. Such blocks run under :func:`shared_checkpoint`:
+the same policy contexts, one recomputation per forward, serving every unpack until the graph is freed.
+
 Chunked MLP (``mlp_chunks=k``): the block's token-wise MLP runs over k slices of the sequence, so its
 wide intermediate (4H, or the SwiGLU gate and up projections) exists for T/k tokens at a time, in
 forward and backward (autograd keeps one 1/k-sized tensor per slice).
@@ -26,12 +31,22 @@ forward and backward (autograd keeps one 1/k-sized tensor per slice).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _get_autocast_kwargs,
+    _infer_device_type,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    get_device_states,
+    set_device_states,
+)
 
 from lightning_parallel.anatomy.base import ConfigurationError
 
@@ -94,14 +109,17 @@ def apply_recompute(
     trunk: str | None = None,
     mlp_module: str | None = None,
     attention_kernels: tuple[str, ...] = (),
+    split_backward: bool = False,
 ) -> nn.Module:
     """Run each trunk block of ``module`` under the recomputation ``policy`` (and chunk its MLP); in place.
 
     ``attention_kernels`` names further ops (``"namespace::op"`` or ``"namespace::op.overload"``) that
     ``no_attention`` and ``selective`` must keep, for blocks whose attention runs a custom kernel. The
     blocks get the block layer's runners (:mod:`lightning_parallel.blocks`); with ``mlp_chunks > 1`` the
-    MLP is found by the block's anatomy on the first call (and verified). Works without Lightning.
-    Re-applying replaces the previous wrapping. Returns ``module``.
+    MLP is found by the block's anatomy on the first call (and verified). ``split_backward=True``: the
+    backward will run as an input-gradient and a weight-gradient call (a zero-bubble schedule, this
+    package's or torch's): recomputation runs once and serves both (:func:`shared_checkpoint`). Works
+    without Lightning. Re-applying replaces the previous wrapping. Returns ``module``.
     """
     from lightning_parallel.blocks import BlockConfig, BlockLayer, uninstall_runners
     from lightning_parallel.trunk import discover_trunk
@@ -113,7 +131,7 @@ def apply_recompute(
     found = discover_trunk(module, trunk)
     uninstall_runners(found.blocks)
     config = BlockConfig(recompute=policy, every_n=every_n, mlp_chunks=mlp_chunks, mlp_module=mlp_module,
-                         attention_kernels=extra)  # fmt: skip
+                         attention_kernels=extra, split_backward=split_backward)  # fmt: skip
     BlockLayer(found, config).install(enumerate(found.blocks))
     return module
 
@@ -123,8 +141,9 @@ class Recomputed:
     contexts. It holds no module (the stack gets the block at each call), so copies of a block share it."""
 
     def __init__(self, inner: Any, policy: str, block_name: str, extra: frozenset = frozenset(),
-                 keep_communication: bool = False) -> None:  # fmt: skip
+                 keep_communication: bool = False, shared: bool = False) -> None:  # fmt: skip
         self.inner, self.policy, self.block_name = inner, policy, block_name
+        self._checkpoint = shared_checkpoint if shared else functools.partial(checkpoint, use_reentrant=False)
         self._communication = communication_ops() if keep_communication else set()
         self._attention = attention_ops()
         self.keep = set(self._communication)  # "full" with communication: recompute everything else
@@ -146,9 +165,9 @@ class Recomputed:
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         if self.policy == "full" and not self._communication:
-            return checkpoint(self.inner, block, x, args, kwargs, use_reentrant=False)
+            return self._checkpoint(self.inner, block, x, args, kwargs)
         context = functools.partial(create_selective_checkpoint_contexts, self._policy)
-        out = checkpoint(self.inner, block, x, args, kwargs, use_reentrant=False, context_fn=context)
+        out = self._checkpoint(self.inner, block, x, args, kwargs, context_fn=context)
         if not self._checked and torch.is_grad_enabled():
             self._checked = True
             if not self._saw_attention:
@@ -159,6 +178,58 @@ class Recomputed:
                     " or 'full' for this block family"
                 )
         return out
+
+
+def shared_checkpoint(
+    fn: Callable[..., Any], *args: Any, context_fn: Callable[[], tuple[Any, Any]] | None = None
+) -> Any:
+    """``fn(*args)`` keeping none of its activations: at the first unpack of any of them (in any backward
+    call) the forward is run again once, with the RNG and autocast state of the original call and the
+    policy's recompute context, and the tensors it saves serve that unpack and every later one. They are
+    freed with the graph. This is torch's non-reentrant checkpoint without its one-unpack-per-backward
+    rule, for a backward split into an input-gradient and a weight-gradient call (module docstring)."""
+    forward_context, recompute_context = context_fn() if context_fn is not None else (contextlib.nullcontext(),) * 2
+    device_type = _infer_device_type(*args)
+    device_autocast, cpu_autocast = _get_autocast_kwargs(device_type)
+    cpu_rng = torch.get_rng_state()
+    devices, device_rng = get_device_states(*args) if device_type != "cpu" else ([], [])
+    recomputed: list[Tensor] = []
+    count = [0]
+
+    def pack(x: Tensor) -> int:
+        count[0] += 1
+        return count[0] - 1
+
+    def unpack(index: int) -> Tensor:
+        if not recomputed:
+            with torch.random.fork_rng(devices=devices, device_type=device_type):
+                torch.set_rng_state(cpu_rng)
+                if devices:
+                    set_device_states(devices, device_rng, device_type=device_type)
+                saving = torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: recomputed.append(t.detach() if t.requires_grad else t), _never
+                )
+                device_context = (
+                    torch.autocast(device_type, **device_autocast)
+                    if device_type != "cpu" and device_autocast is not None
+                    else contextlib.nullcontext()
+                )
+                with torch.enable_grad(), device_context, torch.autocast("cpu", **cpu_autocast):
+                    with recompute_context, saving:
+                        fn(*args)
+            if len(recomputed) != count[0]:
+                raise RuntimeError(
+                    f"recomputation saved {len(recomputed)} tensors where the forward saved {count[0]}: the block's"
+                    " forward is not deterministic in what it computes (branching on grad mode or on random values)"
+                )
+        return recomputed[index]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), forward_context:
+        return fn(*args)
+
+
+def _never(_: Any) -> Tensor:
+    raise RuntimeError("a tensor saved during recomputation was unpacked")
 
 
 def resolve_op(name: str) -> Any:

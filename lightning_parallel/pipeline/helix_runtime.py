@@ -1,4 +1,4 @@
-"""HelixPipe's runtime: execute one stage's ``HelixAction`` list with each layer's verified split
+"""HelixPipe's handlers for the shared runtime loop: execute one stage's helix actions with each layer's verified split
 (:class:`lightning_parallel.anatomy.Split`: a hand-written adapter's, or one cut from the block's graph).
 
 ``P_j`` (stage j mod p) runs ``post`` of layer j and ``pre`` of layer j+1 with the user's captured block
@@ -22,8 +22,6 @@ paper runs the head inside the backward step (docs/design.md, "HelixPipe").
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -33,94 +31,85 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.base import Split
-from lightning_parallel.pipeline.capture import _forwards, split_hidden, substitute, wrap_output
-from lightning_parallel.pipeline.helix_schedule import HelixAction, attention_stage
-from lightning_parallel.pipeline.runtime import PipelineRuntime, RecvClock
-
-_KINDS = {"qkv": 0, "out": 1, "grad_out": 2, "grad_qkv": 3}
+from lightning_parallel.pipeline.capture import substitute, wrap_output
+from lightning_parallel.pipeline.helix_schedule import attention_stage
+from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext
+from lightning_parallel.pipeline.schedules import Action
 
 
 class HelixRuntime(PipelineRuntime):
+    """HelixPipe's handlers on the shared loop: ``FP``/``BP`` run param chunk ``P_j`` (``Action.chunk`` = j),
+    ``FA``/``BA`` the attention of layer k (``Action.chunk`` = k)."""
+
     def __init__(self, *args: Any, folds: int, recompute: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.splits: list[Split] = []  # per layer, set once verified (the strategy's first step)
         self.folds, self.recompute = folds, recompute
         self.num_layers = len(self.trunk)
+        self.num_indices = self.num_layers + 2
         self.local_chunks = [0] if self.stage == 0 else []  # stage 0 keeps the capture's pre-trunk graph
         self.quiet_step: Callable[[Callable[[], Any]], Any] = lambda step: step()  # set by the strategy
-
-    def rank_of_stage(self, stage: int) -> int:
-        return self.stage_ranks[stage]
+        self.handlers = {"FP": self._forward_param, "FA": self._forward_attention,
+                         "BP": self._backward_param, "BA": self._backward_attention}  # fmt: skip
 
     # ------------------------------------------------------------------------------ messages
-    def _tag(self, kind: str, index: int, microbatch: int) -> int:  # type: ignore[override]
-        return (microbatch * (self.num_layers + 2) + index) * 4 + _KINDS[kind]
-
-    def _send(self, tensors: list[Tensor], stage: int, kind: str, index: int, mb: int) -> None:
+    def _send(self, ctx: StepContext, tensors: list[Tensor], stage: int, consumer: str, index: int, mb: int) -> None:
+        """Send to the action (``consumer``, ``mb``, ``index``) on ``stage``; to this stage: handed over as
+        the detached leaves a remote receive would make."""
         if stage == self.stage:
-            self._local[(kind, index, mb)] = [t.detach() for t in tensors]
+            ctx.local[(consumer, index, mb)] = [t.detach() for t in tensors]
             return
-        dst = self.rank_of_stage(stage)
-        self._sends += _collectives.isend_packed(tensors, dst, self._tag(kind, index, mb), self.group)
+        ctx.sends += _collectives.isend_packed(
+            tensors, self.rank_of_stage(stage), self.tag(consumer, mb, index), self.group
+        )
 
-    def _recv(self, n: int, stage: int, kind: str, index: int, mb: int) -> list[Tensor]:
+    def _recv(self, ctx: StepContext, n: int, stage: int, a: Action) -> list[Tensor]:
         if stage == self.stage:
-            return [t.requires_grad_(True) for t in self._local.pop((kind, index, mb))]
-        with self._clock as clock:
+            return [t.requires_grad_(True) for t in ctx.local.pop((a.kind, a.chunk, a.microbatch))]
+        with ctx.clock as clock:
             out, clock.sent = _collectives.recv_packed(
-                self.rank_of_stage(stage), self._tag(kind, index, mb), self.group, self.device
+                self.rank_of_stage(stage), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device
             )
         if len(out) < n:
             raise RuntimeError(
-                f"expected at least {n} tensors for {kind} of layer {index}, micro-batch {mb}; got {len(out)}"
+                f"expected at least {n} tensors for {a} (layer {a.chunk}, micro-batch {a.microbatch}); got {len(out)}"
             )
         return [t.requires_grad_(True) for t in out]
 
+    def _attention_stage(self, layer: int, mb: int) -> int:
+        return attention_stage(layer, mb, self.num_stages, self.folds)
+
     # --------------------------------------------------------------------------------- steps
-    def run(self, actions, steps, loss_of, loss_weights):  # type: ignore[override]
-        self.timeline = []
-        self._steps, self._loss_of, self._weights = steps, loss_of, loss_weights
-        self._captures, self._local, self._saved, self._sends = {}, {}, {}, []
-        self._remaining = Counter(a.microbatch for a in actions if a.phase == "B")  # a capture lives until 0
-        results: dict[int, tuple[Tensor, Any]] = {}
-        try:
-            for a in actions:
-                start, self._clock = time.time(), RecvClock()
-                self._forward_action(a, results) if a.phase == "F" else self._backward_action(a)
-                self.timeline.append(self._clock.event(self.stage, a.phase + a.op, a.microbatch, a.index, start))
-            for work, _ in self._sends:
-                work.wait()
-        finally:
-            self._captures, self._local, self._saved, self._sends = {}, {}, {}, []
-        return results
+    def _block_args(self, ctx: StepContext, mb: int, layer: int) -> tuple[tuple, dict]:
+        return self._capture(ctx, mb).block_args[layer - 1]
 
-    def _block_args(self, mb: int, layer: int) -> tuple[tuple, dict]:
-        return self._capture(mb).block_args[layer - 1]
+    def _forward_attention(self, ctx: StepContext, a: Action) -> None:
+        j, mb, p = a.chunk, a.microbatch, self.num_stages
+        q, k, v, *state = self._recv(ctx, 4, (j - 1) % p, a)
+        args, kwargs = self._block_args(ctx, mb, j)
+        out = self.splits[j - 1].attention(self.trunk.blocks[j - 1], q, k, v, args, kwargs)
+        ctx.saved[a] = ([q, k, v, *state], [out])
+        self._send(ctx, [out, *state], j % p, "FP", j, mb)
 
-    def _forward_action(self, a: HelixAction, results: dict) -> None:
-        j, mb, L, p = a.index, a.microbatch, self.num_layers, self.num_stages
-        if a.op == "A":
-            q, k, v, *state = self._recv(4, (j - 1) % p, "qkv", j, mb)
-            args, kwargs = self._block_args(mb, j)
-            out = self.splits[j - 1].attention(self.trunk.blocks[j - 1], q, k, v, args, kwargs)
-            self._saved[a] = ([q, k, v, *state], [out])
-            self._send([out, *state], j % p, "out", j, mb)
+    def _forward_param(self, ctx: StepContext, a: Action) -> None:
+        j, mb = a.chunk, a.microbatch
+        cap = self._capture(ctx, mb)
+        inputs = self._recv(ctx, 2, self._attention_stage(j, mb), a) if j > 0 else []
+        if j == self.num_layers:
+            self._loss_forward(ctx, a, inputs)
             return
-        cap = self._capture(mb)
-        inputs = self._recv(2, attention_stage(j, mb, p, self.folds), "out", j, mb) if j > 0 else []
-        if j == L:
-            self._loss_forward(a, inputs, results)
-            return
-        outputs = self._chunk(j, mb, cap.trunk_input if j == 0 else None, inputs)
-        self._saved[a] = (inputs, outputs)
-        self._send(outputs, attention_stage(j + 1, mb, p, self.folds), "qkv", j + 1, mb)
+        outputs = self._chunk(ctx, j, mb, cap.trunk_input if j == 0 else None, inputs)
+        ctx.saved[a] = (inputs, outputs)
+        self._send(ctx, outputs, self._attention_stage(j + 1, mb), "FA", j + 1, mb)
 
-    def _chunk(self, j: int, mb: int, trunk_input: Tensor | None, inputs: list[Tensor]) -> list[Tensor]:
+    def _chunk(
+        self, ctx: StepContext, j: int, mb: int, trunk_input: Tensor | None, inputs: list[Tensor]
+    ) -> list[Tensor]:
         """post-attention of layer j (unless j == 0) then pre-attention of layer j+1: (q, k, v, *state)."""
 
         def run(*tensors: Tensor) -> tuple[Tensor, ...]:
-            x = trunk_input if j == 0 else self._post(j, mb, tensors[0], tensors[1:])
-            args, kwargs = self._block_args(mb, j + 1)
+            x = trunk_input if j == 0 else self._post(ctx, j, mb, tensors[0], tensors[1:])
+            args, kwargs = self._block_args(ctx, mb, j + 1)
             (q, k, v), state = self.splits[j].pre(self.trunk.blocks[j], x, args, kwargs)
             return (q, k, v, *state)
 
@@ -128,114 +117,103 @@ class HelixRuntime(PipelineRuntime):
             return list(checkpoint(run, *inputs, use_reentrant=False))
         return list(run(*inputs))
 
-    def _post(self, layer: int, mb: int, out: Tensor, state: tuple[Tensor, ...]) -> Tensor:
-        args, kwargs = self._block_args(mb, layer)
+    def _post(self, ctx: StepContext, layer: int, mb: int, out: Tensor, state: tuple[Tensor, ...]) -> Tensor:
+        args, kwargs = self._block_args(ctx, mb, layer)
         y = self.splits[layer - 1].post(self.trunk.blocks[layer - 1], out, tuple(state), args, kwargs)
         return y if isinstance(y, Tensor) else y[0]
 
-    def _loss_forward(self, a: HelixAction, inputs: list[Tensor], results: dict) -> None:
+    def _loss_forward(self, ctx: StepContext, a: Action, inputs: list[Tensor]) -> None:
         mb = a.microbatch
-        step = self._steps[mb]
+        step = ctx.steps[mb]
         self.phase = "loss"
         try:
             if self.recompute:  # value and logs now; the graph is rebuilt in the backward action
                 with torch.no_grad():
-                    y = self._post(self.num_layers, mb, inputs[0], inputs[1:])
+                    y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
                     step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
-                loss = self._loss_of(step_out)
+                loss = ctx.loss_of(step_out)
             else:
-                y = self._post(self.num_layers, mb, inputs[0], inputs[1:])
+                y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
                 step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
-                loss = self._loss_of(step_out)
+                loss = ctx.loss_of(step_out)
         finally:
             self.phase = None
-        self._saved[a] = (inputs, [loss])
-        results[mb] = (loss.detach(), step_out)
+        ctx.saved[a] = (inputs, [loss])
+        ctx.results[mb] = (loss.detach(), step_out)
 
-    def _backward_action(self, a: HelixAction) -> None:
-        j, mb = a.index, a.microbatch
-        forward = HelixAction("F", a.op, j, mb)
-        inputs, outputs = self._saved.pop(forward)
-        self._remaining[mb] -= 1
+    def _forward_of(self, ctx: StepContext, a: Action) -> tuple[list[Tensor], list[Tensor]]:
+        return ctx.saved.pop(Action("F" + a.kind[1], a.microbatch, a.chunk))  # type: ignore[arg-type]
+
+    def _backward_attention(self, ctx: StepContext, a: Action) -> None:
+        j, mb, p = a.chunk, a.microbatch, self.num_stages
+        inputs, outputs = self._forward_of(ctx, a)
         try:
-            self._backward(a, inputs, outputs)
-        finally:
-            if self._remaining[mb] == 0:
-                self._captures.pop(mb, None)
-
-    def _backward(self, a: HelixAction, inputs: list[Tensor], outputs: list[Tensor]) -> None:
-        j, mb, L, p = a.index, a.microbatch, self.num_layers, self.num_stages
-        if a.op == "A":
-            grad_out, *grad_state = self._recv(2, j % p, "grad_out", j, mb)
+            grad_out, *grad_state = self._recv(ctx, 2, j % p, a)
             torch.autograd.backward(outputs, [grad_out])
-            q, k, v = inputs[:3]
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (q, k, v)]
-            self._send([*grads, *grad_state], (j - 1) % p, "grad_qkv", j, mb)
-            return
-        if j == L:
-            loss = outputs[0]
-            if self.recompute:  # the head and loss inside the backward step, logging suppressed
-                y = self._post(L, mb, inputs[0], inputs[1:])
-                out = wrap_output(y, self.output_like)
-                loss = self._loss_of(self.quiet_step(lambda: substitute(self.trunk, self._steps[mb], out)))
-            torch.autograd.backward(loss * self._weights[mb], retain_graph=self._capture(mb).needs_grad)
-        else:
-            grads = self._recv(4, attention_stage(j + 1, mb, p, self.folds), "grad_qkv", j + 1, mb)
-            torch.autograd.backward(outputs, grads, retain_graph=self._capture(mb).needs_grad)
-        if j > 0:
-            self._send(
-                [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs],
-                attention_stage(j, mb, p, self.folds),
-                "grad_out",
-                j,
-                mb,
-            )
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs[:3]]
+            self._send(ctx, [*grads, *grad_state], (j - 1) % p, "BP", j - 1, mb)
+        finally:
+            self._backward_done(ctx, mb)
+
+    def _backward_param(self, ctx: StepContext, a: Action) -> None:
+        j, mb, L = a.chunk, a.microbatch, self.num_layers
+        inputs, outputs = self._forward_of(ctx, a)
+        try:
+            retain = self._capture(ctx, mb).needs_grad
+            if j == L:
+                loss = outputs[0]
+                if self.recompute:  # the head and loss inside the backward step, logging suppressed
+                    y = self._post(ctx, L, mb, inputs[0], inputs[1:])
+                    out = wrap_output(y, self.output_like)
+                    loss = ctx.loss_of(self.quiet_step(lambda: substitute(self.trunk, ctx.steps[mb], out)))
+                torch.autograd.backward(loss * ctx.weights[mb], retain_graph=retain)
+            else:
+                grads = self._recv(ctx, 4, self._attention_stage(j + 1, mb), a)
+                torch.autograd.backward(outputs, grads, retain_graph=retain)
+            if j > 0:
+                grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+                self._send(ctx, grads_in, self._attention_stage(j, mb), "BA", j, mb)
+        finally:
+            self._backward_done(ctx, mb)
 
     # ---------------------------------------------------------------------------- lock-step
-    def lockstep(self, step: Callable[[], Any]) -> Any:  # type: ignore[override]
-        """Evaluation: layer k's pre-attention on stage (k-1) mod p, its attention and post-attention on
-        stage k mod p (which also runs layer k+1's pre-attention), the trunk output broadcast from stage 0.
-        Before the first training step places the parameters, every stage holds the whole model and runs it."""
-        if not self.splits:
-            return step()
-        blocks, L, p = self.trunk.blocks, self.num_layers, self.num_stages
-        sends: list[tuple[Any, Tensor]] = []
-        state: dict[str, Any] = {"pass": 0, "x": None}
+    def _evaluates_in_parts(self) -> bool:
+        """Before the first training step places the parameters, every stage holds the whole model."""
+        return bool(self.splits)
 
-        def make(i: int, block: Any) -> Callable[..., Any]:
-            pre_stage, post_stage = i % p, (i + 1) % p
+    def _output_stage(self) -> int:
+        return 0
 
-            def forward(*a: Any, **kw: Any) -> Any:
-                hidden, (args, kwargs) = split_hidden(self.trunk, a, kw)
-                tag = (1 << 24) + (state["pass"] * L + i) * 8
-                split = self.splits[i]
-                if self.stage == pre_stage:
-                    x = hidden if i == 0 else state["x"]
-                    (q, k, v), rest = split.pre(block, x, args, kwargs)
-                    if post_stage != pre_stage:
-                        dst = self.rank_of_stage(post_stage)
-                        sends.extend(_collectives.isend_packed([q, k, v, *rest], dst, tag, self.group))
-                if self.stage == post_stage:
-                    if post_stage != pre_stage:
-                        src = self.rank_of_stage(pre_stage)
-                        (q, k, v, *rest), _ = _collectives.recv_packed(src, tag, self.group, self.device)
-                    out = split.attention(block, q, k, v, args, kwargs)
-                    y = split.post(block, out, tuple(rest), args, kwargs)
-                    state["x"] = y if isinstance(y, Tensor) else y[0]
-                if i == L - 1:
-                    state["pass"] += 1
-                    mine = state["x"] if self.stage == 0 else None
-                    final = _collectives.broadcast_with_header(mine, self.rank_of_stage(0), self.group, self.device)
-                    return wrap_output(final, self.output_like)
-                return wrap_output(hidden, self.output_like)
-
-            return forward
-
-        with _forwards(blocks, make):
-            result = step()
-        for work, _ in sends:
-            work.wait()
-        return result
+    def _evaluate_block(
+        self,
+        ev: EvalContext,
+        i: int,
+        block: nn.Module,
+        real: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple[Any, Tensor | None]:
+        """Layer k = i+1: its pre-attention on stage (k-1) mod p, its attention and post-attention on stage
+        k mod p (which also runs layer k+1's pre-attention); the hidden state is carried between calls."""
+        p = self.num_stages
+        pre_stage, post_stage = i % p, (i + 1) % p
+        split = self.splits[i]
+        tag = self.tag("E", ev.passes, i)
+        if self.stage == pre_stage:
+            x = hidden if i == 0 else ev.carry
+            (q, k, v), rest = split.pre(block, x, args, kwargs)
+            if post_stage != pre_stage:
+                ev.sends += _collectives.isend_packed([q, k, v, *rest], self.rank_of_stage(post_stage), tag, self.group)
+        if self.stage == post_stage:
+            if post_stage != pre_stage:
+                (q, k, v, *rest), _ = _collectives.recv_packed(
+                    self.rank_of_stage(pre_stage), tag, self.group, self.device
+                )
+            out = split.attention(block, q, k, v, args, kwargs)
+            y = split.post(block, out, tuple(rest), args, kwargs)
+            ev.carry = y if isinstance(y, Tensor) else y[0]
+        return None, (ev.carry if i == self.num_layers - 1 and self.stage == 0 else None)
 
 
 def place_block(i: int, block: nn.Module, split: Split, stage: int, num_stages: int) -> set[int]:

@@ -21,22 +21,12 @@ max(own clock, producer's finish + latency)); its result is comparable with ``sc
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, NamedTuple
 
-from lightning_parallel.pipeline.schedules import Simulation, format_schedule, simulate_dag
+from lightning_parallel.pipeline.schedules import Action, Schedule, Simulation, format_schedule, simulate_dag
 
-
-class HelixAction(NamedTuple):
-    phase: Literal["F", "B"]
-    op: Literal["P", "A"]
-    index: int  # j for P_j, k for A_k
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.phase}{self.op}{self.index}.{self.microbatch}"
-
-
-HelixSchedule = dict[int, list[HelixAction]]
+# Actions are the runtime's one ``Action`` type: kind ``FP``/``BP`` (param chunk P_j, ``chunk`` = j) or
+# ``FA``/``BA`` (attention of layer k, ``chunk`` = k), the phase first.
+HelixSchedule = Schedule
 
 
 def attention_stage(layer: int, microbatch: int, num_stages: int, folds: int) -> int:
@@ -82,8 +72,8 @@ def helix(num_stages: int, num_layers: int, num_microbatches: int, folds: int = 
     for d in range(1, p):  # epilogue: the last repeat's loss chunks
         run(0, "P", L, repeats - 1, d)
     return {
-        s: [HelixAction("F", op, i, b) for op, i, b in actions]
-        + [HelixAction("B", op, i, b) for op, i, b in reversed(actions)]
+        s: [Action("F" + op, b, i) for op, i, b in actions]  # type: ignore[misc]
+        + [Action("B" + op, b, i) for op, i, b in reversed(actions)]  # type: ignore[misc]
         for s, actions in forward.items()
     }
 
@@ -121,17 +111,16 @@ def _cooldown(run: Callable, r: int, R: int, p: int, L: int, repeats: int) -> No
             run(0, "P", 0, R + 1, 0)
 
 
-def helix_dependencies(a: HelixAction, num_layers: int) -> list[tuple]:
+def helix_dependencies(a: Action, num_layers: int) -> list[tuple]:
     """Keys of the actions whose results ``a`` consumes (across stages or on the same one)."""
-    key = lambda phase, op, i: (phase, op, i, a.microbatch)  # noqa: E731
-    if a.phase == "F":
-        if a.op == "A":
-            return [key("F", "P", a.index - 1)]
-        return [key("F", "A", a.index)] if a.index > 0 else []
-    if a.op == "A":
-        return [key("B", "P", a.index)]
-    deps = [key("F", "P", a.index)]
-    return deps + ([key("B", "A", a.index + 1)] if a.index < num_layers else [])
+    key = lambda kind, i: (kind, a.microbatch, i)  # noqa: E731
+    if a.kind == "FA":
+        return [key("FP", a.chunk - 1)]
+    if a.kind == "FP":
+        return [key("FA", a.chunk)] if a.chunk > 0 else []
+    if a.kind == "BA":
+        return [key("BP", a.chunk)]
+    return [key("FP", a.chunk)] + ([key("BA", a.chunk + 1)] if a.chunk < num_layers else [])
 
 
 def simulate_helix(
@@ -139,30 +128,36 @@ def simulate_helix(
     num_layers: int,
     num_microbatches: int,
     folds: int,
-    cost: Callable[[HelixAction], float],
+    cost: Callable[[Action], float],
     latency: float = 0.0,
 ) -> Simulation:
     """Validate placement and completeness, then run on a virtual clock (raises on deadlock)."""
     p = len(schedule)
-    want = {(ph, "P", j, b) for ph in "FB" for j in range(num_layers + 1) for b in range(num_microbatches)}
-    want |= {(ph, "A", k, b) for ph in "FB" for k in range(1, num_layers + 1) for b in range(num_microbatches)}
+    want = {(ph + "P", b, j) for ph in "FB" for j in range(num_layers + 1) for b in range(num_microbatches)}
+    want |= {(ph + "A", b, k) for ph in "FB" for k in range(1, num_layers + 1) for b in range(num_microbatches)}
     seen = set()
     for s, actions in schedule.items():
         for a in actions:
-            where = attention_stage(a.index, a.microbatch, p, folds) if a.op == "A" else a.index % p
+            where = attention_stage(a.chunk, a.microbatch, p, folds) if a.kind[1] == "A" else a.chunk % p
             if where != s:
                 raise ValueError(f"{a} runs on stage {s}, the placement rule gives stage {where}")
             if tuple(a) in seen:
                 raise ValueError(f"{a} appears twice")
             seen.add(tuple(a))
         half = len(actions) // 2
-        if [(x.op, x.index, x.microbatch) for x in actions[half:]] != [
-            (x.op, x.index, x.microbatch) for x in reversed(actions[:half])
+        if [(x.kind[1], x.chunk, x.microbatch) for x in actions[half:]] != [
+            (x.kind[1], x.chunk, x.microbatch) for x in reversed(actions[:half])
         ]:
             raise ValueError(f"stage {s}: the backward order is not the forward order reversed")
     if seen != want:
         raise ValueError(f"the schedule misses {sorted(want - seen)[:5]} and has extra {sorted(seen - want)[:5]}")
-    return simulate_dag(schedule, lambda a: helix_dependencies(a, num_layers), cost, latency, lambda a: a.phase == "F")
+    return simulate_dag(
+        schedule,
+        lambda a: helix_dependencies(a, num_layers),
+        cost,
+        latency,
+        held=lambda a: 1 if a.kind[0] == "F" else -1,
+    )
 
 
 def format_helix(schedule: HelixSchedule) -> str:

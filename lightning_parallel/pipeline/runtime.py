@@ -1,5 +1,12 @@
 """One runtime for every schedule: execute one stage's actions, driving the user's own step code.
 
+``run`` is the only training loop: for each action of the stage's list it calls the handler its kind
+names in ``handlers`` (as torch's ``_PipelineScheduleRuntime`` dispatches on computation types), with the
+step's state in a :class:`StepContext`, and records the action in the timeline. This class registers the
+handlers of chunked pipelines (GPipe, 1F1B, interleaved, zero bubble: ``F``, ``B``, ``I``, ``W``);
+``HelixRuntime`` registers HelixPipe's (``FP``, ``FA``, ``BP``, ``BA``). Every message is tagged by
+:meth:`tag` from the action that consumes it, so a message cannot be taken by the wrong action.
+
 Per forward action (micro-batch i, chunk c) on the stage that owns chunk c:
 
 1. capture micro-batch i once per step on this stage (``capture.capture``: the user's step runs up to
@@ -10,18 +17,20 @@ Per forward action (micro-batch i, chunk c) on the stage that owns chunk c:
 4. send the output on, or, for the last chunk, re-enter the user's step with the trunk output
    substituted (``capture.substitute``) and keep the loss.
 
-Per backward action: back-propagate the loss (scaled by the micro-batch's weight) or the received
-output gradient, and send the input's gradient back. Sends are posted without waiting and completed at
-the end of the step; only receives block. Every action is recorded in ``timeline`` (start, end, when
-its receive started and ended, and the producer's send time carried in the message's header), all in
-``time.time()`` so that events of different processes share one clock.
+Per backward action ``B``: back-propagate the loss (scaled by the micro-batch's weight) or the received
+output gradient, and send the input's gradient back. A zero-bubble schedule splits it
+(``split_backward``): ``I`` computes and sends the input's gradient only, ``W`` the weights' later.
+Sends are posted without waiting and completed at the end of the step; only receives block. Every
+action is recorded in ``timeline`` (start, end, when its receive started and ended, and the producer's
+send time carried in the message's header), all in ``time.time()`` so that events of different
+processes share one clock.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +49,11 @@ from lightning_parallel.pipeline.capture import (
     wrap_output,
 )
 from lightning_parallel.pipeline.schedules import Action
+from lightning_parallel.pipeline.split_backward import WeightWork, backward_input
 from lightning_parallel.trunk import Trunk
+
+# the port of a message: what kind of action consumes it (``I`` takes what ``B`` would; ``E``: evaluation)
+_PORTS = {"F": 0, "B": 1, "I": 1, "FP": 0, "BP": 1, "FA": 2, "BA": 3, "E": 4}
 
 
 def structure_of(output: Any) -> Any:
@@ -88,9 +101,37 @@ class RecvClock:
         return TimelineEvent(stage, kind, microbatch, chunk, start, time.time(), self.start, self.end, self.sent)
 
 
+@dataclass
+class StepContext:
+    """The state of one training step on one stage, dropped when the step ends."""
+
+    steps: list[Callable[[], Any]]
+    loss_of: Callable[[Any], Tensor]
+    weights: list[float]
+    captures: dict[int, Capture] = field(default_factory=dict)
+    backwards_left: dict[int, int] = field(default_factory=dict)  # per micro-batch; its capture lives until 0
+    saved: dict[tuple, Any] = field(default_factory=dict)  # what a forward leaves for its backward
+    weight_work: dict[tuple[int, int], WeightWork] = field(default_factory=dict)  # I -> W
+    local: dict[tuple, list[Tensor]] = field(default_factory=dict)  # messages to this same stage (helix)
+    sends: list[tuple[Any, Tensor]] = field(default_factory=list)
+    results: dict[int, tuple[Tensor, Any]] = field(default_factory=dict)
+    clock: RecvClock = field(default_factory=RecvClock)
+    split: bool = False  # the schedule splits the backward into I and W
+
+
+@dataclass
+class EvalContext:
+    """The state of one lock-step evaluation call: trunk passes so far, sends to complete, carried state."""
+
+    passes: int = 0
+    sends: list[tuple[Any, Tensor]] = field(default_factory=list)
+    carry: Any = None
+
+
 class PipelineRuntime:
     """Executes schedules for one stage. ``chunk_blocks[c]`` are the blocks of model chunk ``c``;
-    chunk ``c`` lives on stage ``c % num_stages``, and ``stage_ranks[s]`` is stage s's global rank."""
+    chunk ``c`` lives on stage ``chunk_stages[c]`` (default ``c % num_stages``), and ``stage_ranks[s]`` is
+    stage s's global rank."""
 
     def __init__(
         self,
@@ -100,20 +141,37 @@ class PipelineRuntime:
         stage_ranks: list[int],
         group: Any,
         device: torch.device,
+        chunk_stages: list[int] | None = None,
     ) -> None:
         self.trunk, self.chunk_blocks, self.stage = trunk, chunk_blocks, stage
         self.stage_ranks, self.group, self.device = stage_ranks, group, device
         self.num_stages, self.num_chunks = len(stage_ranks), len(chunk_blocks)
-        self.local_chunks = [c for c in range(self.num_chunks) if c % self.num_stages == stage]
+        self.chunk_stages = chunk_stages or [c % self.num_stages for c in range(self.num_chunks)]
+        self.local_chunks = [c for c in range(self.num_chunks) if self.chunk_stages[c] == stage]
+        self.num_indices = self.num_chunks  # chunk indices a tag must tell apart
         self.output_like: Any = None  # the blocks' output structure (None: a plain tensor)
         self._like_known = False
         self.phase: str | None = None  # "capture" or "loss" while the user's step runs inside the schedule
         self.timeline: list[TimelineEvent] = []
         local = {j for c in self.local_chunks for j in chunk_blocks[c]}
         self._freed = next((j for j in range(len(trunk)) if j not in local), None)  # a block on meta, if any
+        self.handlers: dict[str, Callable[[StepContext, Action], None]] = {
+            "F": self._forward,
+            "B": self._backward,
+            "I": self._backward_input,
+            "W": self._backward_weight,
+        }
 
     def rank_of(self, chunk: int) -> int:
-        return self.stage_ranks[chunk % self.num_stages]
+        return self.stage_ranks[self.chunk_stages[chunk]]
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.stage_ranks[stage]
+
+    def tag(self, kind: str, microbatch: int, index: int) -> int:
+        """The tag of the message that action (``kind``, ``microbatch``, ``index``) consumes; unique within a
+        step (and, with ``kind="E"`` and the pass as ``microbatch``, within an evaluation call)."""
+        return (microbatch * self.num_indices + index) * len(_PORTS) + _PORTS[kind]
 
     # ------------------------------------------------------------------------------- training
     def run(
@@ -125,25 +183,21 @@ class PipelineRuntime:
     ) -> dict[int, tuple[Tensor, Any]]:
         """Run one training step's actions; ``steps[i]()`` runs the user's step on micro-batch i.
 
-        Returns, on the stage holding the last chunk, ``{i: (loss_i detached, step output)}``.
+        Returns, on the stage that runs the loss, ``{i: (loss_i detached, step output)}``.
         """
         self.timeline = []
-        self._steps, self._loss_of, self._weights = steps, loss_of, loss_weights
-        self._captures: dict[int, Capture] = {}
-        self._pending_chunks = {i: len(self.local_chunks) for i in range(len(steps))}
-        self._saved: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        self._sends: list[tuple[Any, Tensor]] = []
-        results: dict[int, tuple[Tensor, Any]] = {}
-        try:
-            for a in actions:
-                start, self._clock = time.time(), RecvClock()
-                self._forward(a, results) if a.kind == "F" else self._backward(a)
-                self.timeline.append(self._clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
-            for work, _ in self._sends:
-                work.wait()
-        finally:
-            self._captures, self._saved, self._sends = {}, {}, []
-        return results
+        ctx = StepContext(steps, loss_of, loss_weights, split=any(a.kind == "I" for a in actions))
+        ctx.backwards_left = {i: 0 for i in range(len(steps))}
+        for a in actions:
+            if a.kind in ("B", "I", "BP", "BA"):
+                ctx.backwards_left[a.microbatch] += 1
+        for a in actions:
+            start, ctx.clock = time.time(), RecvClock()
+            self.handlers[a.kind](ctx, a)
+            self.timeline.append(ctx.clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
+        for work, _ in ctx.sends:
+            work.wait()
+        return ctx.results
 
     def capture_step(self, step: Callable[[], Any], probe: nn.Module | None = None) -> Capture:
         """``capture.capture`` of ``step``; if user code indexed a block's output (``layer(h)[0]``) before its
@@ -166,14 +220,45 @@ class PipelineRuntime:
         finally:
             self.phase = None
 
-    def _capture(self, i: int) -> Capture:
-        if i in self._captures:
-            return self._captures[i]
-        cap = self.capture_step(self._steps[i])
+    def _capture(self, ctx: StepContext, i: int) -> Capture:
+        if i in ctx.captures:
+            return ctx.captures[i]
+        cap = self.capture_step(ctx.steps[i])
         if 0 not in self.local_chunks:
             cap.trunk_input = cap.trunk_input.detach()  # only chunk 0 needs the pre-trunk graph
-        self._captures[i] = cap
+        ctx.captures[i] = cap
         return cap
+
+    def _send_to(self, ctx: StepContext, tensor: Tensor, consumer: Action) -> None:
+        """Send ``tensor`` to the action that consumes it: a forward's activation (with its shape in a header)
+        or a gradient (the receiver knows the shape). A consumer on this same stage (two chunks of a V)
+        gets it handed over, detached, as a receive would give it."""
+        if self.chunk_stages[consumer.chunk] == self.stage:
+            ctx.local[tuple(consumer)] = [tensor.detach()]
+            return
+        dst, tag = self.rank_of(consumer.chunk), self.tag(consumer.kind, consumer.microbatch, consumer.chunk)
+        send = _collectives.isend_with_header if consumer.kind == "F" else _collectives.isend_timed
+        ctx.sends += send(tensor, dst, tag, self.group)
+
+    def _receive(self, ctx: StepContext, src_chunk: int, a: Action, like: Tensor | None = None) -> Tensor:
+        """What chunk ``src_chunk`` sent to action ``a`` (a gradient shaped ``like``, else an activation)."""
+        if self.chunk_stages[src_chunk] == self.stage:
+            return ctx.local.pop(tuple(a))[0]
+        with ctx.clock as clock:
+            if like is None:
+                out, clock.sent = _collectives.recv_with_header(
+                    self.rank_of(src_chunk), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device
+                )
+            else:
+                out, clock.sent = _collectives.recv_into_timed(
+                    torch.empty_like(like), self.rank_of(src_chunk), self.tag(a.kind, a.microbatch, a.chunk), self.group
+                )
+        return out
+
+    def _backward_done(self, ctx: StepContext, i: int) -> None:
+        ctx.backwards_left[i] -= 1
+        if ctx.backwards_left[i] == 0:
+            ctx.captures.pop(i, None)
 
     def _run_chunk(self, c: int, hidden: Tensor, cap: Capture) -> Any:
         out: Any = hidden
@@ -183,105 +268,149 @@ class PipelineRuntime:
             hidden = unwrap_output(out, self.trunk.blocks[j])
         return out
 
-    def _forward(self, a: Action, results: dict) -> None:
+    def _forward(self, ctx: StepContext, a: Action) -> None:
         i, c = a.microbatch, a.chunk
-        cap = self._capture(i)
+        cap = self._capture(ctx, i)
         if c == 0:
             x = cap.trunk_input
+            if ctx.split and x.requires_grad:  # I stops at a leaf; W carries the gradient into the pre-trunk
+                ctx.saved[("leaf", i)] = x = x.detach().requires_grad_(True)
         else:
-            with self._clock as clock:
-                x, clock.sent = _collectives.recv_with_header(
-                    self.rank_of(c - 1), self._tag("F", i, c), self.group, self.device
-                )
+            x = self._receive(ctx, c - 1, a)
             x.requires_grad_(True)
         out = self._run_chunk(c, x, cap)
+        x = cap.trunk_input if c == 0 else x
         y = unwrap_output(out, self.trunk.blocks[-1])
         if c == self.num_chunks - 1:
             self.output_like, self._like_known = structure_of(out), True
             self.phase = "loss"
             try:
-                step_out = substitute(self.trunk, self._steps[i], out)
+                step_out = substitute(self.trunk, ctx.steps[i], out)
             finally:
                 self.phase = None
-            loss = self._loss_of(step_out)
-            self._saved[(i, c)] = (x, loss)
-            results[i] = (loss.detach(), step_out)
+            loss = ctx.loss_of(step_out)
+            ctx.saved[(i, c)] = (x, loss)
+            ctx.results[i] = (loss.detach(), step_out)
         else:
-            self._sends += _collectives.isend_with_header(y, self.rank_of(c + 1), self._tag("F", i, c + 1), self.group)
-            self._saved[(i, c)] = (x, y)
+            self._send_to(ctx, y, Action("F", i, c + 1))
+            ctx.saved[(i, c)] = (x, y)
 
-    def _backward(self, a: Action) -> None:
+    def _output_and_grad(self, ctx: StepContext, a: Action) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The chunk's saved input and output (the weighted loss on the last chunk) and the output's
+        gradient, received from the next chunk's stage (``None`` for the loss)."""
         i, c = a.microbatch, a.chunk
-        x, y = self._saved.pop((i, c))
-        retain = self._captures[i].needs_grad and self._pending_chunks[i] > 1
+        x, y = ctx.saved.pop((i, c))
         if c == self.num_chunks - 1:
-            torch.autograd.backward(y * self._weights[i], retain_graph=retain)
-        else:
-            with self._clock as clock:
-                grad, clock.sent = _collectives.recv_into_timed(
-                    torch.empty_like(y), self.rank_of(c + 1), self._tag("B", i, c), self.group
-                )
-            torch.autograd.backward(y, grad, retain_graph=retain)
-        if c > 0:
-            grad_x = x.grad if x.grad is not None else torch.zeros_like(x)
-            self._sends += _collectives.isend_timed(grad_x, self.rank_of(c - 1), self._tag("B", i, c - 1), self.group)
-        self._pending_chunks[i] -= 1
-        if self._pending_chunks[i] == 0:
-            del self._captures[i]
+            return x, y * ctx.weights[i], None
+        return x, y, self._receive(ctx, c + 1, a, like=y)
 
-    def _tag(self, kind: str, microbatch: int, chunk: int) -> int:
-        """The tag of the message consumed by action (kind, microbatch, chunk); unique within a step."""
-        return (microbatch * 2 + (kind == "B")) * self.num_chunks + chunk
+    def _send_input_grad(self, ctx: StepContext, a: Action, grad_x: Tensor | None, x: Tensor) -> None:
+        if a.chunk > 0:
+            grad_x = grad_x if grad_x is not None else torch.zeros_like(x)
+            self._send_to(ctx, grad_x, Action(a.kind, a.microbatch, a.chunk - 1))
+
+    def _backward(self, ctx: StepContext, a: Action) -> None:
+        i = a.microbatch
+        x, y, grad = self._output_and_grad(ctx, a)
+        retain = ctx.captures[i].needs_grad and ctx.backwards_left[i] > 1
+        torch.autograd.backward(y, grad, retain_graph=retain)
+        self._send_input_grad(ctx, a, x.grad if a.chunk > 0 else None, x)
+        self._backward_done(ctx, i)
+
+    def _backward_input(self, ctx: StepContext, a: Action) -> None:
+        """``I``: the input's gradient only, sent at once; the weights' gradients wait for ``W``. Chunk 0's
+        input is the captured trunk input: its gradient goes on into the pre-trunk code in ``W``."""
+        i, c = a.microbatch, a.chunk
+        if ctx.captures[i].needs_grad:
+            raise RuntimeError(
+                f"schedule with a split backward: the arguments of trunk {self.trunk.path!r}'s blocks carry gradients"
+                " (computed from parameters in the step), which a weight-gradient action would have to share with"
+                " the other chunks; use schedule='1f1b' or 'interleaved_1f1b'"
+            )
+        x, y, grad = self._output_and_grad(ctx, a)
+        leaf = ctx.saved.pop(("leaf", i), None) if c == 0 else None
+        target = leaf if leaf is not None else x
+        grads, work = backward_input([y], [grad], [target] if target.requires_grad else [])
+        grad_x = grads[0] if grads else None
+        if leaf is not None and grad_x is not None:  # the pre-trunk's backward, after the weights'
+            work.then.append((x, grad_x))
+        ctx.weight_work[(i, c)] = work
+        self._send_input_grad(ctx, a, grad_x, x)
+
+    def _backward_weight(self, ctx: StepContext, a: Action) -> None:
+        ctx.weight_work.pop((a.microbatch, a.chunk)).run()
+        self._backward_done(ctx, a.microbatch)
 
     # ----------------------------------------------------------------------------- lock-step
     def lockstep(self, step: Callable[[], Any]) -> Any:
         """Run ``step`` on every stage with each trunk pass going through the stages in order.
 
-        Each local chunk receives its input from the previous chunk's stage and sends its output on;
-        the last chunk's stage broadcasts the trunk output to every stage, so all stages run the same
+        Each block call runs this stage's part of it (:meth:`_evaluate_block`); the last block's result is
+        broadcast from the stage that computed it (:meth:`_output_stage`), so all stages run the same
         post-trunk code (validation, test, predict, and any number of trunk passes per step).
         """
-        blocks = self.trunk.blocks
-        last = len(blocks) - 1
-        chunk_of = {j: c for c, r in enumerate(self.chunk_blocks) for j in r}
-        sends: list[tuple[Any, Tensor]] = []
-        state = {"pass": 0}
+        if not self._evaluates_in_parts():
+            return step()
+        blocks, last = self.trunk.blocks, len(self.trunk.blocks) - 1
+        ev = EvalContext()
 
         def make(j: int, block: nn.Module) -> Callable[..., Any]:
-            c = chunk_of[j]
-            local = c % self.num_stages == self.stage
             real = block.__dict__.get("forward") or type(block).forward.__get__(block)  # its stack, if composed
 
             def forward(*a: Any, **kw: Any) -> Any:
                 hidden, (args, kwargs) = split_hidden(self.trunk, a, kw)
-                tag = (1 << 24) + state["pass"] * self.num_chunks + c
-                if local and j == self.chunk_blocks[c].start and c > 0:
-                    hidden, _ = _collectives.recv_with_header(self.rank_of(c - 1), tag, self.group, self.device)
-                if local:
-                    out = real(hidden, *args, **kwargs)
-                    self.output_like, self._like_known = structure_of(out), True
-                else:
-                    if not self._like_known and self._freed is not None:
-                        self.output_like = probe_output_structure(blocks[self._freed], hidden, (args, kwargs))
-                        self._like_known = True
-                    out = wrap_output(hidden, self.output_like)
-                if local and j == self.chunk_blocks[c].stop - 1 and c < self.num_chunks - 1:
-                    sends.extend(
-                        _collectives.isend_with_header(
-                            unwrap_output(out, block), self.rank_of(c + 1), tag + 1, self.group
-                        )
-                    )
-                if j == last:
-                    state["pass"] += 1
-                    mine = unwrap_output(out, block) if local else None
-                    final = _collectives.broadcast_with_header(mine, self.rank_of(c), self.group, self.device)
-                    out = out if local else wrap_output(final, self.output_like)
-                return out
+                out, mine = self._evaluate_block(ev, j, block, real, hidden, args, kwargs)
+                if j < last:
+                    return out if out is not None else wrap_output(hidden, self.output_like)
+                src = self._output_stage()
+                final = _collectives.broadcast_with_header(
+                    mine if self.stage == src else None, self.rank_of_stage(src), self.group, self.device
+                )
+                ev.passes += 1
+                return out if out is not None and self.stage == src else wrap_output(final, self.output_like)
 
             return forward
 
         with _forwards(blocks, make):
             result = step()
-        for work, _ in sends:
+        for work, _ in ev.sends:
             work.wait()
         return result
+
+    def _evaluates_in_parts(self) -> bool:
+        return True
+
+    def _output_stage(self) -> int:
+        return self.chunk_stages[-1]
+
+    def _evaluate_block(
+        self,
+        ev: EvalContext,
+        j: int,
+        block: nn.Module,
+        real: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+    ) -> tuple[Any, Tensor | None]:
+        """This stage's part of block j's call: (the block's output if it ran here, else ``None``; the hidden
+        state it produced here, else ``None``). A chunk's first block receives, its last block sends on."""
+        c = next(c for c, r in enumerate(self.chunk_blocks) if j in r)
+        if self.chunk_stages[c] != self.stage:
+            if not self._like_known and self._freed is not None:
+                self.output_like = probe_output_structure(self.trunk.blocks[self._freed], hidden, (args, kwargs))
+                self._like_known = True
+            return None, None
+        if j == self.chunk_blocks[c].start and c > 0 and self.chunk_stages[c - 1] != self.stage:
+            hidden, _ = _collectives.recv_with_header(
+                self.rank_of(c - 1), self.tag("E", ev.passes, c), self.group, self.device
+            )
+        out = real(hidden, *args, **kwargs)
+        self.output_like, self._like_known = structure_of(out), True
+        y = unwrap_output(out, block)
+        last_of_chunk = j == self.chunk_blocks[c].stop - 1 and c < self.num_chunks - 1
+        if last_of_chunk and self.chunk_stages[c + 1] != self.stage:  # (the next chunk here takes it as it is)
+            ev.sends += _collectives.isend_with_header(
+                y, self.rank_of(c + 1), self.tag("E", ev.passes, c + 1), self.group
+            )
+        return out, y

@@ -2,15 +2,26 @@
 
 The model trunk is cut into ``num_chunks = num_stages * virtual_stages`` consecutive chunks; chunk ``c``
 lives on stage ``c % num_stages`` (Megatron's loop placement), so with one virtual stage chunk == stage.
-An action is the forward or backward of one (micro-batch, chunk). Communication is implied: the
-forward of (i, c) needs the forward output of (i, c-1), the backward of (i, c) needs the backward of
-(i, c+1). The runtime derives the sends and receives from that, so a schedule cannot forget one.
+An action is one unit of work of one (micro-batch, chunk): ``F`` its forward, ``B`` its whole
+backward, or the backward split in two (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism"):
+``I`` the gradient of the chunk's input (what the previous stage waits for) and ``W`` the gradient of
+its weights (which nobody waits for, so a schedule may put it in a bubble). Communication is implied:
+the forward of (i, c) needs the forward output of (i, c-1), the backward of (i, c) (``B`` or ``I``)
+needs the input gradient of (i, c+1). The runtime derives the sends and receives from that, so a
+schedule cannot forget one. HelixPipe's schedule (``helix_schedule``) uses the same action type with
+its own kinds (``FP``/``BP`` param chunks, ``FA``/``BA`` attention).
 
 - ``gpipe``: all forwards, then all backwards (Huang et al., 2019).
 - ``one_f_one_b``: PipeDream-flush / 1F1B; stage s keeps at most ``p - s`` micro-batches in flight
   (Narayanan et al., 2021).
 - ``interleaved_one_f_one_b``: virtual stages (Narayanan et al., SC'21, Megatron-LM's interleaved
   schedule): the bubble shrinks by ``v`` for ``v`` times more messages.
+- ``zb_h1``: 1F1B's order with the backward split; stage s defers ``s`` weight gradients into the
+  cool-down, where 1F1B idles, so every stage keeps at most p micro-batches (1F1B's peak) and the bubble
+  falls from (p-1)(F+B) to (p-1)(F+I-W) (Qi et al., §3.1, ZB-H1).
+- ``zbv``: two chunks per stage placed in a V (stage s holds chunks s and 2p-1-s, so the first and the
+  last chunk share stage 0) with split backwards (Qi et al., §6, ZB-V): about zero bubble when F, I
+  and W cost the same, at 1F1B's peak activation memory.
 
 ``simulate`` executes a schedule on a virtual clock with gloo's semantics as the runtime uses them
 (sends never block, receives block until the producer has finished), reporting deadlocks, per-stage
@@ -23,10 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "I", "W", "FP", "BP", "FA", "BA"]
+BACKWARDS = ("B", "I")  # the kinds that consume the next chunk's input gradient
 
 
 class Action(NamedTuple):
+    """One unit of work: ``kind`` of ``microbatch`` on ``chunk`` (helix: the param chunk or layer index)."""
+
     kind: Kind
     microbatch: int
     chunk: int
@@ -36,6 +50,17 @@ class Action(NamedTuple):
 
 
 Schedule = dict[int, list[Action]]  # stage -> ordered actions
+
+
+def chunk_stages(num_stages: int, virtual_stages: int, style: Literal["loop", "v"] = "loop") -> list[int]:
+    """The stage of each chunk: ``"loop"`` puts chunk c on stage c mod p (Megatron's interleaving);
+    ``"v"`` (two chunks per stage) puts chunk c < p on stage c and chunk c >= p on stage 2p-1-c."""
+    p, n = num_stages, num_stages * virtual_stages
+    if style == "v":
+        if virtual_stages != 2:
+            raise ValueError(f"the V placement has two chunks per stage, got virtual_stages={virtual_stages}")
+        return [c if c < p else 2 * p - 1 - c for c in range(n)]
+    return [c % p for c in range(n)]
 
 
 def _check(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
@@ -100,11 +125,89 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, virtual_stag
     return schedule
 
 
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B's warm-up and steady state with ``I`` in place of ``B``; stage s runs a ``W`` after each
+    ``I`` except that it holds back its first ``s`` of them, which fill the idle time of its cool-down
+    (stage s's last input gradient leaves s action-times before stage 0's). In flight (forward done,
+    ``W`` not): at most ``(p - s - 1) + 1 + s = p`` on every stage."""
+    _check(num_stages, num_microbatches)
+    return {s: _zb_h1_stage(s, num_stages, num_microbatches) for s in range(num_stages)}
+
+
+def _zb_h1_stage(s: int, p: int, m: int) -> list[Action]:
+    warmup = min(p - s - 1, m)
+    order = [Action("F", i, s) for i in range(warmup)]
+    weights = 0
+    for i in range(m):  # one I per micro-batch, after the forward that keeps the 1F1B shape
+        if warmup + i < m:
+            order.append(Action("F", warmup + i, s))
+        order.append(Action("I", i, s))
+        if i >= s:  # the first s weight gradients wait for the cool-down
+            order.append(Action("W", weights, s))
+            weights += 1
+    return order + [Action("W", i, s) for i in range(weights, m)]
+
+
+def zbv(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., §6): stage s holds chunks ``s`` (going down the V) and ``2p-1-s`` (coming back).
+    Warm-up: ``2(p-s)-1`` forwards of the first chunk, ``s`` pairs of forwards of both, then ``p-s`` rounds
+    of the second chunk's F, I, W; steady state: F, I, W of each chunk in turn; cool-down: ``s`` pairs of
+    input gradients, then ``p-s`` of the first chunk's I and W; the weights left last. Built for
+    ``max(m, 2p-1)`` micro-batches and the ones beyond ``m`` dropped (the shape needs at least 2p-1)."""
+    _check(num_stages, num_microbatches)
+    n = max(num_microbatches, 2 * num_stages - 1)
+    schedule = {s: _ZbvStage(s, num_stages).build(n) for s in range(num_stages)}
+    return {s: [a for a in actions if a.microbatch < num_microbatches] for s, actions in schedule.items()}
+
+
+class _ZbvStage:
+    """One stage's ZB-V order, appended action by action with a micro-batch counter per (kind, chunk)."""
+
+    def __init__(self, s: int, p: int) -> None:
+        self.s, self.p, self.down, self.up = s, p, s, 2 * p - 1 - s
+        self.count = {(k, c): 0 for k in "FIW" for c in (self.down, self.up)}
+        self.order: list[Action] = []
+
+    def act(self, *steps: tuple[str, int]) -> None:
+        for kind, chunk in steps:
+            self.order.append(Action(kind, self.count[(kind, chunk)], chunk))  # type: ignore[arg-type]
+            self.count[(kind, chunk)] += 1
+
+    def build(self, n: int) -> list[Action]:
+        s, p, down, up, count = self.s, self.p, self.down, self.up, self.count
+        for _ in range(2 * (p - s) - 1):
+            self.act(("F", down))
+        for _ in range(s):
+            self.act(("F", up), ("F", down))
+        for _ in range(p - s):
+            self.act(("F", up), ("I", up), ("W", up))
+        while count[("F", up)] < count[("F", down)] or count[("F", down)] < n:
+            if count[("F", down)] < n:
+                self.act(("F", down))
+            self.act(("I", down), ("W", down), ("F", up), ("I", up), ("W", up))
+        for _ in range(s):
+            self.act(("I", down), ("I", up))
+        for _ in range(p - s):
+            self.act(("I", down), ("W", down))
+        for chunk in (up, down):
+            while count[("W", chunk)] < count[("I", chunk)]:
+                self.act(("W", chunk))
+        return self.order
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_one_f_one_b,
+    "zb_h1": zb_h1,
+    "zbv": zbv,
 }
+SPLIT_BACKWARD = frozenset({"zb_h1", "zbv"})  # schedules whose backward is split into I and W
+VIRTUAL_STAGES = {"interleaved_1f1b": None, "zbv": 2}  # chunks per stage where not 1 (None: any, default 2)
+
+
+def placement_style(name: str) -> Literal["loop", "v"]:
+    return "v" if name == "zbv" else "loop"
 
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -113,13 +216,18 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, virtual_st
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if name == "interleaved_1f1b":
         schedule = interleaved_one_f_one_b(num_stages, num_microbatches, virtual_stages)
+    elif name == "zbv":
+        if virtual_stages != 2:
+            raise ValueError(f"schedule 'zbv' has two chunks per stage (a V); got virtual_stages={virtual_stages}")
+        schedule = zbv(num_stages, num_microbatches)
     elif virtual_stages != 1:
         raise ValueError(
             f"schedule {name!r} has one chunk per stage; virtual_stages={virtual_stages} needs 'interleaved_1f1b'"
         )
     else:
         schedule = SCHEDULES[name](num_stages, num_microbatches)
-    simulate(schedule, num_stages * virtual_stages, num_microbatches)  # raises on any defect
+    stages = chunk_stages(num_stages, virtual_stages, placement_style(name))
+    simulate(schedule, num_stages * virtual_stages, num_microbatches, stages=stages)  # raises on any defect
     return schedule
 
 
@@ -138,10 +246,12 @@ class Simulation:
         return 1.0 - self.busy[stage] / self.makespan
 
 
-def _dependency(a: Action, num_chunks: int) -> tuple[str, int, int] | None:
+def _dependencies(a: Action, num_chunks: int, split: bool) -> list[tuple[str, int, int]]:
     if a.kind == "F":
-        return ("F", a.microbatch, a.chunk - 1) if a.chunk > 0 else None
-    return ("B", a.microbatch, a.chunk + 1) if a.chunk < num_chunks - 1 else None
+        return [("F", a.microbatch, a.chunk - 1)] if a.chunk > 0 else []
+    if a.kind == "W":
+        return [("I", a.microbatch, a.chunk)]
+    return [("I" if split else "B", a.microbatch, a.chunk + 1)] if a.chunk < num_chunks - 1 else []
 
 
 def simulate(
@@ -150,31 +260,44 @@ def simulate(
     num_microbatches: int,
     cost: Callable[[Action], float] = lambda a: 1.0 if a.kind == "F" else 2.0,
     latency: float = 0.0,
+    stages: list[int] | None = None,
 ) -> Simulation:
     """Run ``schedule`` on a virtual clock; raise ``ValueError`` on any structural defect or deadlock.
 
-    Checks: every (micro-batch, chunk) has exactly one forward and one backward, on the stage that owns
-    the chunk; each backward follows its forward on that stage; no cyclic wait when sends never block
-    and receives block until the producing action finished (+ ``latency``).
+    ``stages[c]`` is chunk c's stage (default: c mod p). Checks: every (micro-batch, chunk) has exactly
+    one forward and either one ``B`` or one ``I`` and one ``W`` (the same split for the whole schedule),
+    on the stage that owns the chunk; each backward follows its forward, each ``W`` its ``I``, on that
+    stage; no cyclic wait when sends never block and receives block until the producing action finished
+    (+ ``latency``). In flight: a micro-batch's chunk counts from its forward to its ``B`` or ``W``.
     """
     p = len(schedule)
-    want = {(k, i, c) for k in "FB" for i in range(num_microbatches) for c in range(num_chunks)}
+    stages = stages if stages is not None else [c % p for c in range(num_chunks)]
+    split = any(a.kind == "I" for actions in schedule.values() for a in actions)
+    kinds = "FIW" if split else "FB"
+    want = {(k, i, c) for k in kinds for i in range(num_microbatches) for c in range(num_chunks)}
+    before = {"B": "F", "I": "F", "W": "I"}
     seen: set[tuple[str, int, int]] = set()
     for s, actions in schedule.items():
         for a in actions:
-            if a.chunk % p != s:
-                raise ValueError(f"{a} is on stage {s} but chunk {a.chunk} belongs to stage {a.chunk % p}")
+            if not 0 <= a.chunk < num_chunks:
+                raise ValueError(f"{a} on stage {s} names chunk {a.chunk}; the model has {num_chunks} chunks")
+            if stages[a.chunk] != s:
+                raise ValueError(f"{a} is on stage {s} but chunk {a.chunk} belongs to stage {stages[a.chunk]}")
             key = (a.kind, a.microbatch, a.chunk)
             if key in seen or key not in want:
                 raise ValueError(f"{a} on stage {s} is duplicated or out of range")
-            if a.kind == "B" and ("F", a.microbatch, a.chunk) not in seen:
-                raise ValueError(f"{a} on stage {s} comes before its forward")
+            if a.kind in before and (before[a.kind], a.microbatch, a.chunk) not in seen:
+                raise ValueError(f"{a} on stage {s} comes before its {'forward' if a.kind != 'W' else 'I'}")
             seen.add(key)
     if seen != want:
         raise ValueError(f"schedule misses {sorted(want - seen)[:5]}")
 
     return simulate_dag(
-        schedule, lambda a: [d] if (d := _dependency(a, num_chunks)) else [], cost, latency, lambda a: a.kind == "F"
+        schedule,
+        lambda a: _dependencies(a, num_chunks, split),
+        cost,
+        latency,
+        lambda a: {"F": 1, "B": -1, "W": -1}.get(a.kind, 0),
     )
 
 
@@ -183,11 +306,12 @@ def simulate_dag(
     dependencies: Callable[[Any], list[tuple]],
     cost: Callable[[Any], float],
     latency: float,
-    is_forward: Callable[[Any], bool],
+    held: Callable[[Any], int],
 ) -> Simulation:
     """Execute per-stage action lists on a virtual clock: an action starts when its stage is free and
     every action it depends on has finished (+ ``latency`` when that ran on another stage; sends never
-    block). Raise ``ValueError`` if no stage can move (a deadlock)."""
+    block). ``held(a)`` is how the action changes the stage's count of micro-batches in flight (+1 when
+    it starts holding one, -1 when it lets one go). Raise ``ValueError`` if no stage can move (a deadlock)."""
     done: dict[tuple, tuple[float, int]] = {}
     clock, busy = dict.fromkeys(schedule, 0.0), dict.fromkeys(schedule, 0.0)
     pos, live, peak = dict.fromkeys(schedule, 0), dict.fromkeys(schedule, 0), dict.fromkeys(schedule, 0)
@@ -206,7 +330,7 @@ def simulate_dag(
                 clock[s] = t0 + cost(a)
                 busy[s] += cost(a)
                 done[tuple(a)] = (clock[s], s)
-                live[s] += 1 if is_forward(a) else -1
+                live[s] += held(a)
                 peak[s] = max(peak[s], live[s])
                 pos[s] += 1
                 progressed = True

@@ -207,7 +207,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     def simulate_schedule(self, cost: Callable[[str, int], float]) -> Simulation:
         assert self.runtime is not None, "the schedule is built when training starts"
         L, m = self.runtime.num_layers, self.num_microbatches
-        return simulate_helix(self.schedule, L, m, self._folds, lambda a: cost(a.phase + a.op, a.index))
+        return simulate_helix(self.schedule, L, m, self._folds, lambda a: cost(a.kind, a.chunk))
 
     def _quiet(self, step: Any) -> Any:
         """Re-run the user's step in a backward action: no logging, metric states left as they were."""

@@ -22,6 +22,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal, Optional
 
 import torch
@@ -33,12 +34,21 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.families import no_fast_paths
+from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import PP, Size, check_size
 from lightning_parallel.pipeline import gradients, outer
 from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
-from lightning_parallel.pipeline.schedules import SCHEDULES, Simulation, build_schedule, simulate
+from lightning_parallel.pipeline.schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    Simulation,
+    build_schedule,
+    chunk_stages,
+    placement_style,
+    simulate,
+)
 from lightning_parallel.strategies import _failures, _partial
 from lightning_parallel.strategies._logging import (
     LogRecorder,
@@ -53,7 +63,7 @@ from lightning_parallel.strategies._stage_local import StageLocalMixin
 from lightning_parallel.strategies.hybrid import SIGTERM_EXIT_CODE, HybridParallelStrategy
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
 
 
 class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
@@ -63,8 +73,10 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         pipeline_parallel_size: number of stages; ``"auto"``: every device not used for dp.
         data_parallel_size: number of replicas (default 1).
         num_microbatches: micro-batches per batch (default ``2 * pipeline_parallel_size``).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
-        virtual_stages: model chunks per stage for ``"interleaved_1f1b"`` (default 2 there, else 1).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, or the zero-bubble ``"zb_h1"`` (1F1B with
+            the weight gradients deferred into its bubble) and ``"zbv"`` (two chunks per stage in a V);
+            see :mod:`lightning_parallel.pipeline.schedules`.
+        virtual_stages: model chunks per stage for ``"interleaved_1f1b"`` (default 2) and ``"zbv"`` (2), else 1.
         layers_per_stage: blocks per chunk, in chunk order (default: balanced).
         loss_reduction: ``"mean"`` (the loss is a mean over samples: micro-batch losses are weighted by
             their share of the batch) or ``"sum"``.
@@ -91,9 +103,17 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         check_size(PP, pipeline_parallel_size)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
-        virtual_stages = virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
-        if virtual_stages != 1 and schedule != "interleaved_1f1b":
+        virtual_stages = virtual_stages or (2 if schedule in ("interleaved_1f1b", "zbv") else 1)
+        if schedule == "zbv" and virtual_stages != 2:
+            raise ValueError(f"schedule='zbv' runs two chunks per stage (a V); got virtual_stages={virtual_stages}")
+        if virtual_stages != 1 and schedule not in ("interleaved_1f1b", "zbv"):
             raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})")
+        if schedule in SPLIT_BACKWARD and self._dp_sharding == "full":
+            raise ValueError(
+                f"schedule={schedule!r} splits the backward into input- and weight-gradient actions, which FSDP2's"
+                " per-block gradient reduction (data_parallel_sharding='full') would run before the weights'"
+                " gradients exist; use data_parallel_sharding='optimizer', or schedule='1f1b'"
+            )
         if num_microbatches is not None and (isinstance(num_microbatches, bool) or num_microbatches < 1):
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         if loss_reduction not in ("mean", "sum"):
@@ -114,17 +134,24 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         return self._num_microbatches or 2 * self.parallel_dims.pp
 
     @property
+    def chunk_stages(self) -> list[int]:
+        """The stage of each model chunk (loop placement; a V for ``"zbv"``)."""
+        return chunk_stages(self.parallel_dims.pp, self._virtual, placement_style(self._schedule_name))
+
+    @property
     def stage(self) -> int:
-        """This rank's pipeline stage; stage p-1 (the loss stage) sits on pp coordinate 0."""
-        return self.parallel_dims.pp - 1 - self.coordinate[PP]
+        """This rank's pipeline stage; the loss stage sits on pp coordinate 0 (global rank 0 logs)."""
+        coordinate = self.coordinate[PP]
+        return coordinate if self.loss_stage == 0 else self.parallel_dims.pp - 1 - coordinate
 
     def stage_rank(self, stage: int) -> int:
-        return _collectives.group_ranks(self.pp_group)[self.parallel_dims.pp - 1 - stage]
+        coordinate = stage if self.loss_stage == 0 else self.parallel_dims.pp - 1 - stage
+        return _collectives.group_ranks(self.pp_group)[coordinate]
 
     @property
     def loss_stage(self) -> int:
-        """The stage that runs the user's post-trunk code and loss (the last one here)."""
-        return self.parallel_dims.pp - 1
+        """The stage that runs the user's post-trunk code and loss: the last chunk's (stage 0 in a V)."""
+        return self.chunk_stages[-1]
 
     @property
     def is_loss_stage(self) -> bool:
@@ -162,6 +189,11 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         return True
 
     @override
+    def _block_config(self) -> BlockConfig:
+        # a split backward unpacks a recomputed block's activations twice: one recomputation serves both
+        return replace(super()._block_config(), split_backward=self._schedule_name in SPLIT_BACKWARD)
+
+    @override
     def _place_stages(self, lm: Any, trunk: Trunk) -> tuple[list[tuple[int, nn.Module]], list[nn.Module]]:
         """Place the trunk's blocks on model chunks, free the other stages' blocks, build the runtime."""
         dims, stage = self.parallel_dims, self.stage
@@ -173,17 +205,18 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             )
         if self._virtual > 1 and self._layers_per_stage is None and len(trunk) % chunks:
             raise ValueError(
-                f"interleaved 1F1B with pipeline_parallel_size={dims.pp} x virtual_stages={self._virtual} needs the"
+                f"schedule={self._schedule_name!r} with pipeline_parallel_size={dims.pp} x"
+                f" virtual_stages={self._virtual} needs the"
                 f" {len(trunk)} blocks of {trunk.path!r} to divide into {chunks} equal chunks; change virtual_stages"
                 " or give layers_per_stage"
             )
-        placement = place_blocks(len(trunk), chunks, self._layers_per_stage)
-        local = {j for c in range(chunks) if c % dims.pp == stage for j in placement[c]}
+        placement, stages = place_blocks(len(trunk), chunks, self._layers_per_stage), self.chunk_stages
+        local = {j for c in range(chunks) if stages[c] == stage for j in placement[c]}
         if self._blocks is None:  # first placement: every rank still holds every (materialised) block
             self._receive_blocks(trunk, local)
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
-        self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device)
+        self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device, stages)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
         self._placement = placement
         freed = [b for j, b in enumerate(trunk.blocks) if j not in local]

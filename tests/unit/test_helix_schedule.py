@@ -13,19 +13,19 @@ SIZES = [
 
 
 def unit_cost(a):
-    return (1.0 if a.op == "P" else 2.0) * (1 if a.phase == "F" else 2)
+    return (1.0 if a.kind[1] == "P" else 2.0) * (1 if a.kind[0] == "F" else 2)
 
 
 @pytest.mark.parametrize("p,L,m,F", SIZES)
 def test_complete_placed_filo_and_deadlock_free(p, L, m, F):
     schedule = helix(p, L, m, F)
     simulate_helix(schedule, L, m, F, unit_cost)  # raises on a missing/duplicate/misplaced op, non-FILO order, deadlock
-    attentions = Counter(s for s, actions in schedule.items() for a in actions if a.op == "A" and a.phase == "F")
+    attentions = Counter(s for s, actions in schedule.items() for a in actions if a.kind[1] == "A" and a.kind[0] == "F")
     assert all(attentions[s] == L * m // p for s in range(p))  # attention work is spread evenly
     for s, actions in schedule.items():
         for a in actions:
-            if a.op == "A":
-                assert attention_stage(a.index, a.microbatch, p, F) == s == (a.index + (a.microbatch // F) % p) % p
+            if a.kind[1] == "A":
+                assert attention_stage(a.chunk, a.microbatch, p, F) == s == (a.chunk + (a.microbatch // F) % p) % p
 
 
 def test_attentions_of_one_group_run_on_all_stages():
@@ -40,14 +40,14 @@ def _costs(L, p, t_attn=0.7, t_pre=0.1, t_post=0.2, t_edge=0.02):
     def helix_cost(a):
         c = (
             t_attn
-            if a.op == "A"
+            if a.kind[1] == "A"
             else t_edge + t_pre
-            if a.index == 0
+            if a.chunk == 0
             else t_post + t_edge
-            if a.index == L
+            if a.chunk == L
             else t_post + t_pre
         )
-        return c if a.phase == "F" else 2 * c
+        return c if a.kind[0] == "F" else 2 * c
 
     def one_f_one_b_cost(a):
         c = (L // p) * (t_attn + t_pre + t_post) + t_edge * ((a.chunk == 0) + (a.chunk == p - 1))
@@ -94,4 +94,4 @@ def test_size_errors():
 
 def test_format_grid():
     grid = format_helix(helix(2, 4, 4, 1)).splitlines()
-    assert grid[0].split()[:3] == ["stage", "0:", "FP0.0"] and "BA1.0" in grid[1]
+    assert grid[0].split()[:3] == ["stage", "0:", "FP0"] and "BA0.1" in grid[1]  # kind, micro-batch . index
