@@ -150,7 +150,7 @@ class Ours:
 
 
 class OursHelix(Ours):
-    def __init__(self, seq_len: int, m: int, rank: int, recompute: bool) -> None:
+    def __init__(self, seq_len: int, m: int, rank: int, recompute: bool, folds: int | None = None) -> None:
         self.model = make_model(seq_len)
         trunk = discover_trunk(self.model)
         anatomy = AdapterAnatomy(ADAPTERS["nanogpt"])
@@ -158,7 +158,8 @@ class OursHelix(Ours):
         splits = [anatomy.helix_split(block, config) for block in trunk.blocks]
         for i, (block, split) in enumerate(zip(trunk.blocks, splits)):
             place_block(i, block, split, rank, 2)
-        folds = 2 if m % 4 == 0 else 1
+        folds = folds or (2 if m % 4 == 0 else 1)
+        self.folds = folds
         self.runtime = HelixRuntime(
             trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"), folds=folds, recompute=recompute
         )
@@ -286,6 +287,7 @@ def build(name: str, seq_len: int, m: int, rank: int):
         "ours 1f1b +rc": lambda: Ours(seq_len, m, rank, "1f1b", recompute="no_attention"),
         "ours helix": lambda: OursHelix(seq_len, m, rank, recompute=False),
         "ours helix +rc": lambda: OursHelix(seq_len, m, rank, recompute=True),
+        "ours helix f1": lambda: OursHelix(seq_len, m, rank, recompute=False, folds=1),
         "torch Schedule1F1B": lambda: Torch1F1B(seq_len, m, rank),
     }[name]()
 
@@ -324,7 +326,7 @@ def theory(name: str, m: int, everyone: list, rank: int, cfg: Any) -> float:
     """The schedule's bubble on a virtual clock with the step's measured mean action costs, no latency."""
     costs = mean_costs(e for events in everyone for e in events)
     if "helix" in name:
-        folds = 2 if m % 4 == 0 else 1
+        folds = cfg.folds
         sim = simulate_helix(helix(2, LAYERS, m, folds), LAYERS, m, folds, lambda a: costs[(a.kind, a.chunk)])
     else:
         schedule = build_schedule(cfg.schedule, 2, m, cfg.v)

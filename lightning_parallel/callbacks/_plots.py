@@ -7,7 +7,8 @@ from pathlib import Path
 from lightning_parallel.callbacks.timeline import legend_labels, split_receive
 from lightning_parallel.pipeline.runtime import TimelineEvent
 
-_COLORS = {"F": "#8fb8de", "B": "#2e6fab", "FP": "#8fb8de", "BP": "#2e6fab", "FA": "#f4b183", "BA": "#c55a11"}
+_COLORS = {"F": "#8fb8de", "B": "#2e6fab", "I": "#2e6fab", "W": "#70ad47", "FP": "#8fb8de", "BP": "#2e6fab",
+           "FA": "#f4b183", "BA": "#c55a11"}  # fmt: skip
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

@@ -109,8 +109,9 @@ def legend_labels(kinds: Iterable[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------- Chrome trace
-KIND_NAMES = {"F": "forward", "B": "backward", "FP": "forward param chunk", "FA": "forward attention",
-               "BP": "backward param chunk", "BA": "backward attention"}  # fmt: skip
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient",
+              "FP": "forward param chunk", "FA": "forward attention", "BP": "backward param chunk",
+              "BA": "backward attention"}  # fmt: skip
 
 
 def chrome_trace(steps: list[tuple[int, dict[int, list[TimelineEvent]]]], stage_of: dict[int, int]) -> dict[str, Any]:

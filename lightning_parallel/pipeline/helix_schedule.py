@@ -129,9 +129,11 @@ def simulate_helix(
     num_microbatches: int,
     folds: int,
     cost: Callable[[Action], float],
-    latency: float = 0.0,
+    latency: float | Callable[[tuple, Action], float] = 0.0,
+    held: Callable[[Action], float] | None = None,
 ) -> Simulation:
-    """Validate placement and completeness, then run on a virtual clock (raises on deadlock)."""
+    """Validate placement and completeness, then run on a virtual clock (raises on deadlock); ``held`` as
+    for ``schedules.simulate`` (default: a micro-batch's action counts from its forward to its backward)."""
     p = len(schedule)
     want = {(ph + "P", b, j) for ph in "FB" for j in range(num_layers + 1) for b in range(num_microbatches)}
     want |= {(ph + "A", b, k) for ph in "FB" for k in range(1, num_layers + 1) for b in range(num_microbatches)}
@@ -156,7 +158,7 @@ def simulate_helix(
         lambda a: helix_dependencies(a, num_layers),
         cost,
         latency,
-        held=lambda a: 1 if a.kind[0] == "F" else -1,
+        held=held or (lambda a: 1 if a.kind[0] == "F" else -1),
     )
 
 

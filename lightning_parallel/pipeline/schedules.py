@@ -238,7 +238,7 @@ class Simulation:
 
     makespan: float
     busy: dict[int, float]
-    peak_in_flight: dict[int, int]
+    peak_in_flight: dict[int, float]
     start: dict[tuple[int, Any], float] = field(default_factory=dict)
 
     def bubble(self, stage: int) -> float:
@@ -259,8 +259,9 @@ def simulate(
     num_chunks: int,
     num_microbatches: int,
     cost: Callable[[Action], float] = lambda a: 1.0 if a.kind == "F" else 2.0,
-    latency: float = 0.0,
+    latency: float | Callable[[tuple, Action], float] = 0.0,
     stages: list[int] | None = None,
+    held: Callable[[Action], float] | None = None,
 ) -> Simulation:
     """Run ``schedule`` on a virtual clock; raise ``ValueError`` on any structural defect or deadlock.
 
@@ -268,7 +269,9 @@ def simulate(
     one forward and either one ``B`` or one ``I`` and one ``W`` (the same split for the whole schedule),
     on the stage that owns the chunk; each backward follows its forward, each ``W`` its ``I``, on that
     stage; no cyclic wait when sends never block and receives block until the producing action finished
-    (+ ``latency``). In flight: a micro-batch's chunk counts from its forward to its ``B`` or ``W``.
+    (+ ``latency``, a number or a function of the dependency's key and the consumer). In flight: a
+    micro-batch's chunk counts from its forward to its ``B`` or ``W``; ``held(a)`` replaces that count
+    by any per-action change (bytes, for the planner's memory).
     """
     p = len(schedule)
     stages = stages if stages is not None else [c % p for c in range(num_chunks)]
@@ -297,7 +300,7 @@ def simulate(
         lambda a: _dependencies(a, num_chunks, split),
         cost,
         latency,
-        lambda a: {"F": 1, "B": -1, "W": -1}.get(a.kind, 0),
+        held or (lambda a: {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)),
     )
 
 
@@ -305,8 +308,8 @@ def simulate_dag(
     schedule: dict[int, list],
     dependencies: Callable[[Any], list[tuple]],
     cost: Callable[[Any], float],
-    latency: float,
-    held: Callable[[Any], int],
+    latency: float | Callable[[tuple, Any], float],
+    held: Callable[[Any], float],
 ) -> Simulation:
     """Execute per-stage action lists on a virtual clock: an action starts when its stage is free and
     every action it depends on has finished (+ ``latency`` when that ran on another stage; sends never
@@ -324,7 +327,8 @@ def simulate_dag(
                 deps = dependencies(a)
                 if any(d not in done for d in deps):
                     break
-                ready = [done[d][0] + (latency if done[d][1] != s else 0.0) for d in deps]
+                delay = latency if callable(latency) else (lambda d, a, x=latency: x)
+                ready = [done[d][0] + (delay(d, a) if done[d][1] != s else 0.0) for d in deps]
                 t0 = max([clock[s], *ready])
                 start[(s, a)] = t0
                 clock[s] = t0 + cost(a)

@@ -22,8 +22,12 @@ def pipeline(**kwargs):
 # ----------------------------------------------------------------------------------- fast tier
 @pytest.mark.parametrize(
     "model,schedule,recompute",
-    [("gpt", "zb_h1", "none"), ("llama", "zbv", "selective"), ("encoder", "zb_h1", "no_attention"),
-     ("gpt", "zbv", "full")],  # fmt: skip
+    [
+        ("gpt", "zb_h1", "none"),
+        ("llama", "zbv", "selective"),
+        ("encoder", "zb_h1", "no_attention"),
+        ("gpt", "zbv", "full"),
+    ],
 )
 def test_zero_bubble_pp2(model, schedule, recompute):
     strategy = pipeline(pipeline_parallel_size=2, num_microbatches=4, schedule=schedule, recompute=recompute)

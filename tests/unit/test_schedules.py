@@ -5,11 +5,14 @@ import pytest
 from lightning_parallel.pipeline.schedules import (
     Action,
     build_schedule,
+    chunk_stages,
     format_schedule,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
     simulate,
+    zb_h1,
+    zbv,
 )
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
@@ -90,6 +93,7 @@ def test_build_schedule_names_and_errors():
     assert build_schedule("1f1b", 2, 4) == one_f_one_b(2, 4)
     with pytest.raises(ValueError, match="unknown schedule 'zb'"):
         build_schedule("zb", 2, 4)
+    assert build_schedule("zb_h1", 2, 4) == zb_h1(2, 4)
     with pytest.raises(ValueError, match="virtual_stages=2 needs 'interleaved_1f1b'"):
         build_schedule("gpipe", 2, 4, virtual_stages=2)
 
@@ -98,3 +102,42 @@ def test_format_schedule_grid():
     grid = format_schedule(one_f_one_b(2, 3))
     assert grid.splitlines()[0].split()[:3] == ["stage", "0:", "F0"]
     assert "B2" in grid.splitlines()[1]
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)])
+def test_zb_h1_keeps_one_f_one_b_memory_and_cuts_the_bubble_to_a_third(p, m):
+    unit = lambda a: 1.0  # noqa: E731  (F = I = W: 1F1B's B costs 2)
+    zb = simulate(zb_h1(p, m), p, m, cost=unit)
+    plain = simulate(one_f_one_b(p, m), p, m)
+    assert max(zb.peak_in_flight.values()) <= min(p, m)  # 1F1B's peak (stage 0 holds p)
+    assert plain.makespan == pytest.approx(3 * m + 3 * (p - 1))
+    if m >= p:  # a steady state: bubble (p-1)(F + I - W) against 1F1B's 3(p-1)
+        assert zb.makespan == pytest.approx(3 * m + (p - 1))
+    else:
+        assert zb.makespan < plain.makespan
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16, 32)])
+def test_zbv_places_chunks_in_a_v_and_nearly_removes_the_bubble(p, m):
+    stages = chunk_stages(p, 2, "v")
+    assert stages[0] == stages[-1] == 0 and stages[p - 1] == stages[p] == p - 1
+    sim = simulate(zbv(p, m), 2 * p, m, cost=lambda a: 0.5, stages=stages)  # a chunk is half a stage's blocks
+    assert max(sim.peak_in_flight.values()) <= 2 * p  # chunks of half size: p micro-batches' worth
+    if m >= 2 * p:
+        assert sim.makespan <= 3 * m + (p - 1) / 2 + 1e-9  # against ZB-H1's 3m + (p - 1)
+
+
+def test_split_backward_is_checked():
+    good = zb_h1(2, 2)
+    simulate(good, 2, 2, cost=lambda a: 1.0)
+    early = {0: [Action("F", 0, 0), Action("W", 0, 0), Action("I", 0, 0)] + good[0][3:], 1: good[1]}
+    with pytest.raises(ValueError, match="comes before its I"):
+        simulate(early, 2, 2)
+    mixed = {0: good[0], 1: one_f_one_b(2, 2)[1]}
+    with pytest.raises(ValueError, match="duplicated or out of range|misses"):
+        simulate(mixed, 2, 2)
+    with pytest.raises(ValueError, match="F0.3 is on stage 0 but chunk 3 belongs to stage 1"):
+        simulate(zbv(2, 2), 4, 2)  # the V placement, checked against the loop placement
+    assert build_schedule("zbv", 2, 4, 2) == zbv(2, 4)
+    with pytest.raises(ValueError, match="'zbv' has two chunks per stage"):
+        build_schedule("zbv", 2, 4, 1)

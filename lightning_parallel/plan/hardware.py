@@ -1,0 +1,133 @@
+"""Link models, and a cost model of a published GPU for shapes this machine cannot run.
+
+A link moves ``n`` bytes in ``latency + n / bandwidth`` seconds (point to point); a ring all-reduce over
+``k`` ranks moves ``2 (k-1)/k n`` bytes per rank, an all-gather or reduce-scatter ``(k-1)/k n``, an
+all-to-all ``(k-1)/k n`` (Thakur et al., 2005, "Optimization of collective communication operations in
+MPICH"). Presets:
+
+- ``nvlink``: 450 GB/s one way per GPU (NVLink 4, 900 GB/s bidirectional, NVIDIA H100/H20 datasheets), 3 us;
+- ``infiniband``: 50 GB/s (one 400 Gb/s NDR port per GPU), 5 us;
+- ``cpu``: this project's gloo on loopback between two processes, measured by
+  ``benchmarks/planner.py``'s link probe (about 1.5 GB/s and 60 us on the 2-core machine).
+
+``published_costs`` builds :class:`~lightning_parallel.plan.profile.BlockCosts` from FLOP counts of a
+Llama-style block (Narayanan et al., SC'21, appendix: 24 B T H^2 GEMM FLOPs per layer forward for the
+QKV, output and a 4H MLP; attention 4 B T^2 H) divided by a sustained rate: the GPU's dense BF16 peak
+times a model FLOPs utilisation (MFU). H20: 148 TFLOP/s dense BF16, 96 GB (NVIDIA H20 datasheet, as
+cited by the HelixPipe paper's evaluation, arXiv 2507.00394 §5). Backward: input gradient = forward for
+the GEMMs (one GEMM each), weight gradient = forward; attention backward 2.5x its forward (five matmuls
+against the forward's two: Dao, 2023, "FlashAttention-2", §3).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_parallel.plan.profile import BlockCosts, Fit
+
+
+@dataclass(frozen=True)
+class Link:
+    """Point-to-point bandwidth (bytes/s, one way) and latency (s) between two devices."""
+
+    bandwidth: float
+    latency: float
+
+    def p2p(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+    def all_reduce(self, nbytes: float, ranks: int) -> float:
+        return 0.0 if ranks <= 1 else 2 * (ranks - 1) * self.latency + 2 * (ranks - 1) / ranks * nbytes / self.bandwidth
+
+    def all_gather(self, nbytes: float, ranks: int) -> float:
+        """Also reduce-scatter and all-to-all: ``nbytes`` is the whole tensor."""
+        return 0.0 if ranks <= 1 else (ranks - 1) * self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
+
+
+def measure_link(peer: int, group: Any = None, sizes: tuple[int, int] = (256, 1 << 22), repeats: int = 10) -> Link:
+    """The link to ``peer`` (a global rank) measured by ping-pong of a small and a large message: the
+    latency from the small one, the bandwidth from the difference. Both ranks call it, each naming the other."""
+    me = dist.get_rank()
+    times = []
+    for n in sizes:
+        buf = torch.zeros(n // 4, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            if me < peer:
+                dist.send(buf, peer, group)
+                dist.recv(buf, peer, group)
+            else:
+                dist.recv(buf, peer, group)
+                dist.send(buf, peer, group)
+            best = min(best, (time.perf_counter() - t0) / 2)
+        times.append(best)
+    (small, t_small), (large, t_large) = zip(sizes, times)
+    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
+    return Link(bandwidth, max(t_small - small / bandwidth, 0.0))
+
+
+LINKS = {
+    "nvlink": Link(450e9, 3e-6),
+    "infiniband": Link(50e9, 5e-6),
+    "cpu": Link(1.5e9, 60e-6),
+}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    bf16_flops: float  # dense peak, FLOP/s
+    memory: float  # bytes
+    mfu: float = 0.5  # sustained fraction of the peak on the block's GEMMs and attention
+
+
+GPUS = {"h20": Gpu("NVIDIA H20", 148e12, 96e9), "h100": Gpu("NVIDIA H100 SXM", 989e12, 80e9)}
+
+
+def published_costs(hidden: int, layers: int, heads: int, vocab: int, gpu: Gpu, micro_batch: int = 1) -> BlockCosts:
+    """``BlockCosts`` of a Llama-like model (MLP 4H, BF16) on ``gpu`` from FLOP counts (module docstring)."""
+    rate, b, h = gpu.bf16_flops * gpu.mfu, micro_batch, hidden
+    qkv = lambda t: 2 * b * t * h * 3 * h / rate  # noqa: E731  (QKV projection: 3H^2 per token, x2 FLOPs)
+    out_mlp = lambda t: 2 * b * t * h * (h + 8 * h) / rate  # noqa: E731  (output projection H^2, MLP 8H^2)
+    bytes_ = 2
+    return BlockCosts(
+        num_blocks=layers,
+        hidden_bytes=Fit([0.0, b * h * bytes_]),
+        pre=Fit([0.0, qkv(1)]),
+        attention=Fit([0.0, 0.0, 4 * b * h / rate / 2]),  # causal: half of 4 B T^2 H
+        post=Fit([0.0, out_mlp(1)]),
+        pre_grad=Fit([0.0, qkv(1)]),
+        attention_grad=Fit([0.0, 0.0, 2.5 * 4 * b * h / rate / 2]),
+        post_grad=Fit([0.0, out_mlp(1)]),
+        weight_grad=Fit([0.0, qkv(1) + out_mlp(1)]),
+        # kept bytes per token (BF16), Korthikanti et al., 2022, Table 2 without attention scores (flash):
+        # 34 B T H without recomputation; the output only under "full"; attention's output and statistics
+        # plus the output under "no_attention"; GEMM outputs and attention under "selective"
+        kept={
+            "none": Fit([0.0, 34 * b * h]),
+            "selective": Fit([0.0, 22 * b * h]),
+            "no_attention": Fit([0.0, 4 * b * h + 4 * b * heads]),
+            "full": Fit([0.0, 2 * b * h]),
+        },  # fmt: skip
+        recompute={
+            "none": Fit([0.0]),
+            "selective": Fit([0.0, 0.1 * (qkv(1) + out_mlp(1))]),
+            "no_attention": Fit([0.0, qkv(1) + out_mlp(1)]),
+            "full": Fit([0.0, qkv(1) + out_mlp(1), 4 * b * h / rate / 2]),
+        },  # fmt: skip
+        head_forward=Fit([0.0, 2 * b * h * vocab / rate]),
+        head_backward=Fit([0.0, 4 * b * h * vocab / rate]),
+        split_bytes=Fit([0.0, 10 * b * h]),  # the output gradients of the four GEMMs (H, H, 4H, H wide), BF16
+        capture=Fit([0.0]),
+        block_parameter_bytes=12 * h * h * bytes_,
+        outer_parameter_bytes=2 * vocab * h * bytes_,
+        dtype_bytes=bytes_,
+        source=f"{gpu.name}: {gpu.bf16_flops / 1e12:.0f} TFLOP/s dense BF16 x MFU {gpu.mfu}",
+    )
