@@ -36,7 +36,6 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,30 +64,6 @@ from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_byte
 VOCAB, H, LAYERS, HEADS = 65, 128, 8, 4
 
 
-class SavedBytes:
-    """Peak bytes of distinct storages autograd holds for backward (pack hooks + weakref finalizers)."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self.live and storage.nbytes():
-            self.live[key] = storage.nbytes()
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
-            weakref.finalize(storage, self._free, key)
-        return t
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
 def make_model(seq_len: int) -> GPT:
     torch.manual_seed(0)
     return GPT(vocab_size=VOCAB, block_size=seq_len, n_layer=LAYERS, n_head=HEADS, n_embd=H)
@@ -110,15 +85,13 @@ class Single:
             return {}
         torch.set_num_threads(self.threads)
         try:
-            meter = SavedBytes()
-            with meter.hooks():
-                loss = self.model._loss(self.batch)
+            loss = self.model._loss(self.batch)
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         finally:
             torch.set_num_threads(1)
-        return {"saved": meter.peak}
+        return {}
 
 
 class Ours:
@@ -140,13 +113,11 @@ class Ours:
         self.m = m
 
     def step(self, rank: int) -> dict:
-        meter = SavedBytes()
         steps = [lambda mb=mb: self.model._loss(mb) for mb in self.micro]
-        with meter.hooks():
-            self.runtime.run(self.actions, steps, lambda out: out, [1.0 / self.m] * self.m)
+        self.runtime.run(self.actions, steps, lambda out: out, [1.0 / self.m] * self.m)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"saved": meter.peak, "events": list(self.runtime.timeline), "params": parameter_bytes(self.model)}
+        return {"events": list(self.runtime.timeline), "params": parameter_bytes(self.model)}
 
 
 class OursHelix(Ours):
@@ -212,17 +183,16 @@ class TorchZeroBubble:
         self.sched = cls(stages, m, loss_fn=loss_fn)
         self.x, self.y = batch(seq_len, m)
         self.first, self.last = 0 in ids, n - 1 in ids
-        self.opt = torch.optim.SGD([p for mod in self.modules for p in mod.parameters()], lr=1e-3)
+        params = {id(p): p for mod in self.modules for p in mod.parameters()}  # the tied pair once (ZB-V: rank 0)
+        self.opt = torch.optim.SGD(list(params.values()), lr=1e-3)
 
     def step(self, rank: int) -> dict:
-        meter = SavedBytes()
         args = (self.x,) if self.first else ()
         kwargs = dict(target=self.y, losses=[]) if self.last else {}
-        with meter.hooks():
-            self.sched.step(*args, **kwargs)
+        self.sched.step(*args, **kwargs)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"saved": meter.peak, "params": sum(parameter_bytes(mod) for mod in self.modules)}
+        return {"params": sum(parameter_bytes(mod) for mod in self.modules)}
 
 
 class Torch1F1B:
@@ -237,15 +207,13 @@ class Torch1F1B:
         self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-3)
 
     def step(self, rank: int) -> dict:
-        meter = SavedBytes()
-        with meter.hooks():
-            if rank == 0:
-                self.sched.step(self.x)
-            else:
-                self.sched.step(target=self.y, losses=[])
+        if rank == 0:
+            self.sched.step(self.x)
+        else:
+            self.sched.step(target=self.y, losses=[])
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"saved": meter.peak, "params": parameter_bytes(self.module)}
+        return {"params": parameter_bytes(self.module)}
 
 
 CONFIGS = {

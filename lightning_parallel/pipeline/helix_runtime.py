@@ -33,7 +33,7 @@ from lightning_parallel import _collectives
 from lightning_parallel.anatomy.base import Split
 from lightning_parallel.pipeline.capture import substitute, wrap_output
 from lightning_parallel.pipeline.helix_schedule import attention_stage
-from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext
+from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext, detached
 from lightning_parallel.pipeline.schedules import Action
 
 
@@ -139,7 +139,7 @@ class HelixRuntime(PipelineRuntime):
         finally:
             self.phase = None
         ctx.saved[a] = (inputs, [loss])
-        ctx.results[mb] = (loss.detach(), step_out)
+        ctx.results[mb] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
 
     def _forward_of(self, ctx: StepContext, a: Action) -> tuple[list[Tensor], list[Tensor]]:
         return ctx.saved.pop(Action("F" + a.kind[1], a.microbatch, a.chunk))  # type: ignore[arg-type]

@@ -56,6 +56,14 @@ from lightning_parallel.trunk import Trunk
 _PORTS = {"F": 0, "B": 1, "I": 1, "FP": 0, "BP": 1, "FA": 2, "BA": 3, "E": 4}
 
 
+def detached(output: Any) -> Any:
+    """``output`` with every tensor detached: a step output kept for Lightning must not hold the graph (a
+    split backward retains the graph's saved tensors for as long as anything references it)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
+
+
 def structure_of(output: Any) -> Any:
     """``None`` for a tensor output, else an empty tuple/list of the same length (hidden state first)."""
     return type(output)([None] * len(output)) if isinstance(output, (tuple, list)) else None
@@ -290,7 +298,7 @@ class PipelineRuntime:
                 self.phase = None
             loss = ctx.loss_of(step_out)
             ctx.saved[(i, c)] = (x, loss)
-            ctx.results[i] = (loss.detach(), step_out)
+            ctx.results[i] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
         else:
             self._send_to(ctx, y, Action("F", i, c + 1))
             ctx.saved[(i, c)] = (x, y)

@@ -33,10 +33,17 @@ from lightning_parallel.plan.profile import BlockCosts, Fit
 
 @dataclass(frozen=True)
 class Link:
-    """Point-to-point bandwidth (bytes/s, one way) and latency (s) between two devices."""
+    """Point-to-point bandwidth (bytes/s, one way) and latency (s) between two devices. ``occupies``: the
+    transfer also occupies both ends' processor for its duration (gloo between CPU processes copies the
+    bytes on the cores that compute), where a GPU's copy engines overlap it with compute."""
 
     bandwidth: float
     latency: float
+    occupies: bool = False
+
+    def occupancy(self, nbytes: float) -> float:
+        """Seconds of an endpoint's compute a transfer of ``nbytes`` takes (0 unless ``occupies``)."""
+        return nbytes / self.bandwidth if self.occupies else 0.0
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -51,7 +58,8 @@ class Link:
 
 def measure_link(peer: int, group: Any = None, sizes: tuple[int, int] = (256, 1 << 22), repeats: int = 10) -> Link:
     """The link to ``peer`` (a global rank) measured by ping-pong of a small and a large message: the
-    latency from the small one, the bandwidth from the difference. Both ranks call it, each naming the other."""
+    latency from the small one, the bandwidth from the difference. Both ranks call it, each naming the other.
+    For gloo between CPU processes (``occupies``)."""
     me = dist.get_rank()
     times = []
     for n in sizes:
@@ -70,13 +78,13 @@ def measure_link(peer: int, group: Any = None, sizes: tuple[int, int] = (256, 1 
         times.append(best)
     (small, t_small), (large, t_large) = zip(sizes, times)
     bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-    return Link(bandwidth, max(t_small - small / bandwidth, 0.0))
+    return Link(bandwidth, max(t_small - small / bandwidth, 0.0), occupies=True)
 
 
 LINKS = {
     "nvlink": Link(450e9, 3e-6),
     "infiniband": Link(50e9, 5e-6),
-    "cpu": Link(1.5e9, 60e-6),
+    "cpu": Link(1.5e9, 60e-6, occupies=True),
 }
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix
+from lightning_parallel.pipeline.helix_schedule import attention_stage, helix, simulate_helix
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.schedules import (
     Action,
@@ -146,24 +146,31 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
     stages = chunk_stages(p, v, placement_style(layout.schedule)) if p > 1 else [0]
     stages_of = stages.__getitem__
 
+    def remote(x: int, y: int) -> bool:
+        return 0 <= y <= last and stages_of(x) != stages_of(y)
+
     def cost(a: Action) -> float:
-        n = sizes[a.chunk]
-        head = a.chunk == last
+        n, ch = sizes[a.chunk], a.chunk
+        head = ch == last
         if a.kind == "F":
-            return n * f + head * head_f + (a.chunk in firsts) * capture
+            moved = (remote(ch, ch - 1) + remote(ch, ch + 1)) * link.occupancy(hb)
+            return n * f + head * head_f + (ch in firsts) * capture + moved
+        moved = (remote(ch, ch + 1) + remote(ch, ch - 1)) * link.occupancy(hb)
         if a.kind == "B":
-            return n * (i + w + rc) + head * head_b
+            return n * (i + w + rc) + head * head_b + moved
         if a.kind == "I":
-            return n * (i + rc) + head * head_b
+            return n * (i + rc) + head * head_b + moved
         return n * w
 
     split = samples * c.split_bytes(t) / shard
+    whole = samples * c.kept["none"](t) / shard
     capture = samples * c.capture(t)
     firsts = {min(ch for ch in range(len(sizes)) if stages_of(ch) == s) for s in range(p)}
 
     def held(a: Action) -> float:
         n = sizes[a.chunk]
-        return {"F": n * kept, "B": -n * kept, "I": n * split, "W": -n * (kept + split)}[a.kind]
+        # I recomputes what the policy did not keep and holds it, with the gradients at the weights, until W
+        return {"F": n * kept, "B": -n * kept, "I": n * (whole - kept + split), "W": -n * (whole + split)}[a.kind]
 
     if p == 1:
         schedule: Schedule = {0: [Action("F", k, 0) for k in range(layout.microbatches)]
@@ -190,24 +197,40 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
     head_f, head_b = samples * c.head_forward(t) / layout.tp, samples * c.head_backward(t) / layout.tp
 
     capture = samples * c.capture(t)
+    qkv, out = 4 * hb, 2 * hb  # q, k, v and the residual; the attention output and the residual
+
+    def moved(a: Action) -> float:
+        """The endpoint time of the action's remote receive and send (``Link.occupies``)."""
+        j, mb = a.chunk, a.microbatch
+        here = attention_stage(j, mb, p, layout.folds) if a.kind[1] == "A" else j % p
+        if a.kind == "FA":
+            pairs = [((j - 1) % p, qkv), (j % p, out)]
+        elif a.kind == "BA":
+            pairs = [(j % p, out), ((j - 1) % p, qkv)]
+        else:
+            before = [(attention_stage(j, mb, p, layout.folds), out)] if j > 0 else []
+            after = [(attention_stage(j + 1, mb, p, layout.folds), qkv)] if j < L else []
+            pairs = before + after
+        return sum(link.occupancy(n) for stage, n in pairs if stage != here)
 
     def cost(a: Action) -> float:
         j = a.chunk
-        if a.kind == "FP" and j < p:  # the stage's first action of the micro-batch captures it
-            return (pre if j < L else 0.0) + (post if j > 0 else 0.0) + comm / 2 + capture
         if a.kind == "FA":
-            return att + comm / 2
+            return att + comm / 2 + moved(a)
         if a.kind == "BA":
-            return att_g + comm / 2
+            return att_g + comm / 2 + moved(a)
         parts_f = (pre if j < L else 0.0) + (post if j > 0 else 0.0) + (head_f if j == L else 0.0)
-        if a.kind == "FP":
-            return parts_f + comm / 2
+        if a.kind == "FP":  # the stage's first action of the micro-batch (j < p) captures it
+            return parts_f + comm / 2 + moved(a) + (capture if j < p else 0.0)
         parts_b = (pre_g + w_pre if j < L else 0.0) + (post_g + w - w_pre if j > 0 else 0.0) + (head_b if j == L else 0)
-        return parts_b + (parts_f if recompute and j > 0 else 0.0) + comm / 2
+        return parts_b + (parts_f if recompute and j > 0 else 0.0) + comm / 2 + moved(a)
 
-    nbytes = {"FA": 4 * hb, "FP": 2 * hb, "BA": 2 * hb, "BP": 4 * hb}  # q, k, v + residual; out + residual
-    attention_kept = 4 * hb / layout.tp  # q, k, v and the output (and the statistics)
-    chunk_kept = 2 * hb if recompute else max(samples * c.kept["none"](t) / shard - attention_kept, 0.0)
+    nbytes = {"FA": qkv, "FP": out, "BA": out, "BP": qkv}
+    # the attention stage keeps what it received (q, k, v, the residual) and its output; a param chunk
+    # keeps its outputs (q, k, v, the residual) for its backward and what its policy keeps inside
+    attention_kept = (qkv + out / 2) / layout.tp
+    inside = 2 * hb if recompute else max(samples * c.kept["none"](t) / shard - attention_kept, 0.0)
+    chunk_kept = inside + qkv / layout.tp
 
     def held(a: Action) -> float:
         sign = 1 if a.kind[0] == "F" else -1
