@@ -112,7 +112,12 @@ def backward_input(
     reached = set(reverse) | set(roots)
     input_ids = set(input_nodes)
     weights = [n for n in reached if type(n).__name__ == "AccumulateGrad" and n not in input_ids]
-    groups = get_param_groups(input_nodes, weights, reverse) if input_nodes else []
+    # torch's grouping can put a weight that joins the input's path at two nodes into two groups, whose W
+    # would then count it twice; one group over all of them is exact (the clamping pre-hooks in ``run``
+    # keep a descendant intermediate from adding its ancestors' contribution again)
+    found = get_param_groups(input_nodes, weights, reverse) if input_nodes else []
+    groups = [{"params": {w for g in found for w in g["params"]},
+               "intermediates": {n for g in found for n in g["intermediates"]}}] if found else []  # fmt: skip
     grouped = {w for g in groups for w in g["params"]}
     work.groups = groups
     work.orphans = [w.variable for w in weights if w not in grouped]

@@ -249,7 +249,7 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
             outer_on: dict, samples: float, t: int, hb: float, comm: float, kept: float) -> Prediction:  # fmt: skip
     c, link, p = problem.costs, problem.link, layout.pp
     scale = problem.parameter_bytes / c.dtype_bytes  # the profile's parameter bytes at the stored width
-    state = 2.0 + OPTIMIZER_STATE.get(problem.optimizer, 2.0)  # parameter + gradient + optimizer state
+    state = 1.0 + OPTIMIZER_STATE.get(problem.optimizer, 2.0)  # parameter + optimizer state (gradients: below)
     block = c.block_parameter_bytes * scale / layout.tp
     outer = c.outer_parameter_bytes * scale
     peak, grads, during = {}, {}, {}

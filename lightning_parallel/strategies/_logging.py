@@ -43,7 +43,10 @@ class LogRecorder:
     records: dict[str, list[tuple[int, Any, dict]]] = field(default_factory=lambda: defaultdict(list))
 
     def log(self, name: str, value: Any, **kwargs: Any) -> None:
-        if self.active:
+        if self.active:  # detached: a record must not keep the step's graph (a split backward retains it)
+            from torch.utils._pytree import tree_map
+
+            value = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
             self.records[name].append((self.microbatch, value, kwargs))
 
 

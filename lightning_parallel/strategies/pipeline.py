@@ -174,7 +174,9 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     def simulate_schedule(self, cost: Callable[[str, int], float]) -> Simulation:
         """The schedule on a virtual clock, ``cost(kind, chunk)`` seconds per action (for the profilers)."""
         chunks = self.parallel_dims.pp * self._virtual
-        return simulate(self.schedule, chunks, self.num_microbatches, cost=lambda a: cost(a.kind, a.chunk))
+        return simulate(
+            self.schedule, chunks, self.num_microbatches, cost=lambda a: cost(a.kind, a.chunk), stages=self.chunk_stages
+        )
 
     # ---------------------------------------------------------------------------------- setup
     @override

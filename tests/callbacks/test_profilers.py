@@ -388,3 +388,19 @@ def test_the_message_names_only_the_files_written(tmp_path, caplog):
         profiler.write(Trainer())
     assert (tmp_path / "bubble_trace.json").exists() and not (tmp_path / "bubble_timeline.png").exists()
     assert "wrote bubble_trace.json to" in caplog.text and "PNG" not in caplog.text and ".png" not in caplog.text
+
+
+def _zero_bubble_profiled(rank, world_size, root):
+    torch.manual_seed(0)
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4, schedule="zbv")
+    return _fit(strategy, 2, root, SleepNet(), _loader(4, 2), 2, [BubbleProfiler(trace_steps=1)])
+
+
+def test_bubble_profiler_replays_zbv_on_its_v_placement():
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(_zero_bubble_profiled, 2, root, init_process_group=False, timeout=120)
+        assert ranks[0] == ranks[1]
+        assert all(0 <= ranks[0][f"bubble/theory_stage_{s}"] < 1 for s in range(2)), ranks[0]
+        trace = json.loads((Path(root) / "bubble_trace.json").read_text())
+        kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+        assert {"forward", "input gradient", "weight gradient"} <= kinds, kinds
