@@ -260,6 +260,24 @@ def gather_object_to_zero(obj: object) -> list | None:
     return parts
 
 
+def ping_pong(peer: int, nbytes: int, repeats: int, group: ProcessGroup | None = None) -> float:
+    """The fastest of ``repeats`` one-way times (half a round trip) of ``nbytes`` between this rank and ``peer``
+    (global ranks; both call it, each naming the other)."""
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+    me, best = dist.get_rank(), float("inf")
+    for _ in range(repeats):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        if me < peer:
+            dist.send(buf, peer, group)
+            dist.recv(buf, peer, group)
+        else:
+            dist.recv(buf, peer, group)
+            dist.send(buf, peer, group)
+        best = min(best, (time.perf_counter() - t0) / 2)
+    return best
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 

@@ -177,6 +177,17 @@ def substitute(trunk: Trunk, step: Callable[[], Any], trunk_output: Any) -> Any:
         return step()
 
 
+def loss_of(output: Any) -> Tensor:
+    """The loss in a ``training_step``'s output: the tensor itself, or a dict's ``"loss"``."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    raise ValueError(
+        f"training_step must return the loss (a tensor or a dict with 'loss'); got {type(output).__name__}"
+    )
+
+
 def _same_tensor(a: Any, b: Any) -> bool:
     return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.data_ptr() == b.data_ptr()
 

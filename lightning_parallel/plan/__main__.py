@@ -14,6 +14,7 @@ and ``trainer.strategy`` replaced), and draws the predicted timeline and the can
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 import warnings
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         if not (args.hidden and args.layers and args.heads and args.seq_len and args.global_batch):
             ap.error("--gpu needs --hidden, --layers, --heads, --seq-len and --global-batch")
-        gpu = GPUS[args.gpu] if args.mfu is None else type(GPUS[args.gpu])(**{**vars(GPUS[args.gpu]), "mfu": args.mfu})
+        gpu = GPUS[args.gpu] if args.mfu is None else dataclasses.replace(GPUS[args.gpu], mfu=args.mfu)
         costs = published_costs(args.hidden, args.layers, args.heads, args.vocab, gpu)
         seq_len, global_batch = args.seq_len, args.global_batch
     else:

@@ -7,27 +7,24 @@ MPICH"). Presets:
 
 - ``nvlink``: 450 GB/s one way per GPU (NVLink 4, 900 GB/s bidirectional, NVIDIA H100/H20 datasheets), 3 us;
 - ``infiniband``: 50 GB/s (one 400 Gb/s NDR port per GPU), 5 us;
-- ``cpu``: this project's gloo on loopback between two processes, measured by
-  ``benchmarks/planner.py``'s link probe (about 1.5 GB/s and 60 us on the 2-core machine).
+- ``cpu``: gloo on loopback between two processes, 1.5 GB/s and 60 us, a conservative figure for the
+  2-core machine (``benchmarks/planner.py`` measures the link itself: 2.4-3.6 GB/s, 50-73 us in its runs).
 
 ``published_costs`` builds :class:`~lightning_parallel.plan.profile.BlockCosts` from FLOP counts of a
 Llama-style block (Narayanan et al., SC'21, appendix: 24 B T H^2 GEMM FLOPs per layer forward for the
 QKV, output and a 4H MLP; attention 4 B T^2 H) divided by a sustained rate: the GPU's dense BF16 peak
-times a model FLOPs utilisation (MFU). H20: 148 TFLOP/s dense BF16, 96 GB (NVIDIA H20 datasheet, as
-cited by the HelixPipe paper's evaluation, arXiv 2507.00394 §5). Backward: input gradient = forward for
-the GEMMs (one GEMM each), weight gradient = forward; attention backward 2.5x its forward (five matmuls
-against the forward's two: Dao, 2023, "FlashAttention-2", §3).
+times a model FLOPs utilisation (MFU, an assumption: 0.5 by default). H20: 148 TFLOP/s dense BF16, 96 GB
+(NVIDIA H20 datasheet); the HelixPipe paper (arXiv 2507.00394) reports its results on H20s.
+Backward: input gradient = forward for the GEMMs (one GEMM each), weight gradient = forward; attention
+backward 2.5x its forward (five matmuls against the forward's two: Dao, 2023, "FlashAttention-2", §3).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from lightning_parallel import _collectives
 from lightning_parallel.plan.profile import BlockCosts, Fit
 
 
@@ -60,23 +57,7 @@ def measure_link(peer: int, group: Any = None, sizes: tuple[int, int] = (256, 1 
     """The link to ``peer`` (a global rank) measured by ping-pong of a small and a large message: the
     latency from the small one, the bandwidth from the difference. Both ranks call it, each naming the other.
     For gloo between CPU processes (``occupies``)."""
-    me = dist.get_rank()
-    times = []
-    for n in sizes:
-        buf = torch.zeros(n // 4, dtype=torch.float32)
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            if me < peer:
-                dist.send(buf, peer, group)
-                dist.recv(buf, peer, group)
-            else:
-                dist.recv(buf, peer, group)
-                dist.send(buf, peer, group)
-            best = min(best, (time.perf_counter() - t0) / 2)
-        times.append(best)
-    (small, t_small), (large, t_large) = zip(sizes, times)
+    (small, large), (t_small, t_large) = sizes, [_collectives.ping_pong(peer, n, repeats, group) for n in sizes]
     bandwidth = (large - small) / max(t_large - t_small, 1e-9)
     return Link(bandwidth, max(t_small - small / bandwidth, 0.0), occupies=True)
 
@@ -115,9 +96,10 @@ def published_costs(hidden: int, layers: int, heads: int, vocab: int, gpu: Gpu, 
         attention_grad=Fit([0.0, 0.0, 2.5 * 4 * b * h / rate / 2]),
         post_grad=Fit([0.0, out_mlp(1)]),
         weight_grad=Fit([0.0, qkv(1) + out_mlp(1)]),
-        # kept bytes per token (BF16), Korthikanti et al., 2022, Table 2 without attention scores (flash):
-        # 34 B T H without recomputation; the output only under "full"; attention's output and statistics
-        # plus the output under "no_attention"; GEMM outputs and attention under "selective"
+        # kept bytes per token (BF16): 34 B T H without recomputation (Korthikanti et al., 2022, Table 2, less
+        # the attention scores flash attention never stores); the input only under "full"; attention's
+        # output and statistics plus the input under "no_attention"; under "selective" (GEMM and attention
+        # outputs kept) 22 B T H, this project's estimate, not a published figure
         kept={
             "none": Fit([0.0, 34 * b * h]),
             "selective": Fit([0.0, 22 * b * h]),

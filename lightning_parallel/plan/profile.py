@@ -31,6 +31,7 @@ from lightning_parallel.pipeline.capture import (
     Capture,
     TrunkCallError,
     capture,
+    loss_of,
     probe_output_structure,
     substitute,
     unwrap_output,
@@ -41,8 +42,9 @@ from lightning_parallel.trunk import Trunk, discover_trunk
 
 
 def _attention_names() -> set[str]:
-    names = {str(op.name()) for op in attention_ops()}
-    return names | {n + "_backward" for n in names} | {n.replace(".default", "") + "_backward" for n in names}
+    """The fused attention kernels, forward and backward, by op name without overload."""
+    names = {str(op.name()).split(".")[0] for op in attention_ops()}
+    return names | {n + "_backward" for n in names}
 
 
 class _Timer(TorchDispatchMode):
@@ -59,8 +61,7 @@ class _Timer(TorchDispatchMode):
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         dt = time.perf_counter() - t0
-        name = str(func.name())
-        if name in self._attention or name.split(".")[0] in {n.split(".")[0] for n in self._attention}:
+        if str(func.name()).split(".")[0] in self._attention:
             self.seconds["attention"] += dt
             self.seen_attention = True
         else:
@@ -212,17 +213,13 @@ def _sample(lm: Any, trunk: Trunk, batch: Any, seq_len: int, repeats: int) -> Sa
         block.zero_grad(set_to_none=True)
     y = x.detach().requires_grad_(True)
     t0 = time.perf_counter()
-    loss = lm_loss(substitute(trunk, lambda: lm.training_step(cropped, 0), y if like is None else (y, *like[1:])))
+    loss = loss_of(substitute(trunk, lambda: lm.training_step(cropped, 0), y if like is None else (y, *like[1:])))
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
     lm.zero_grad(set_to_none=True)
     return Sample(seq_len, forward, backward, weight, kept, recompute, t1 - t0, t2 - t1, x.numel() * x.element_size(),
                   x.element_size(), runs[0][3], capture_seconds)  # fmt: skip
-
-
-def lm_loss(step_output: Any) -> Tensor:
-    return step_output["loss"] if isinstance(step_output, dict) else step_output
 
 
 def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repeats: int = 3) -> BlockCosts:

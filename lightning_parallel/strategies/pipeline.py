@@ -37,6 +37,7 @@ from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import PP, Size, check_size
 from lightning_parallel.pipeline import gradients, outer
+from lightning_parallel.pipeline.capture import loss_of
 from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
@@ -319,7 +320,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
             with self._explain_sharded_use():
                 results = runtime.run(
-                    self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], _loss_of, weights
+                    self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], loss_of, weights
                 )
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
         return self._finish_step(results, recorder, shares)
@@ -480,14 +481,4 @@ def _check_padding(lm: nn.Module, samples: int, num_microbatches: int) -> None:
         f"a batch of {samples} samples is shorter than num_microbatches={num_microbatches}: the schedule is filled"
         f" with {num_microbatches - samples} padding micro-batch(es) of weight 0 (exact, but they cost compute; an"
         " epoch's last batch does this, a batch size below num_microbatches does it every step)"
-    )
-
-
-def _loss_of(output: Any) -> Tensor:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    raise ValueError(
-        f"training_step must return the loss (a tensor or a dict with 'loss'); got {type(output).__name__}"
     )
