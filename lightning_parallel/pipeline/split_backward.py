@@ -95,6 +95,29 @@ def _accumulate(param: Tensor, grad: Tensor | None) -> None:
         param.grad = param.grad + grad.detach()
 
 
+def _disjoint(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch's weight groups merged where they share a weight or an intermediate (a partition).
+
+    torch's grouping can put a weight that joins the input's path at two nodes (a tied pair inside one chunk)
+    into two groups, whose W would then count it twice. One group over everything would be exact too, but
+    its W would walk the input's path from the top intermediate down to the lowest weight, running the
+    input gradient's products again; separate groups each reach only the weights hanging from their own
+    intermediates. Inside a merged group the clamping pre-hooks of ``WeightWork.run`` keep a descendant
+    intermediate from adding its ancestors' contribution again."""
+    groups: list[dict[str, Any]] = []
+    for g in found:
+        merged = {"params": set(g["params"]), "intermediates": set(g["intermediates"])}
+        overlapping = [
+            o for o in groups if o["params"] & merged["params"] or o["intermediates"] & merged["intermediates"]
+        ]
+        for other in overlapping:
+            merged["params"] |= other["params"]
+            merged["intermediates"] |= other["intermediates"]
+            groups.remove(other)
+        groups.append(merged)
+    return groups
+
+
 def backward_input(
     outputs: Sequence[Tensor], output_grads: Sequence[Tensor | None], inputs: Sequence[Tensor]
 ) -> tuple[list[Tensor | None], WeightWork]:
@@ -112,12 +135,7 @@ def backward_input(
     reached = set(reverse) | set(roots)
     input_ids = set(input_nodes)
     weights = [n for n in reached if type(n).__name__ == "AccumulateGrad" and n not in input_ids]
-    # torch's grouping can put a weight that joins the input's path at two nodes into two groups, whose W
-    # would then count it twice; one group over all of them is exact (the clamping pre-hooks in ``run``
-    # keep a descendant intermediate from adding its ancestors' contribution again)
-    found = get_param_groups(input_nodes, weights, reverse) if input_nodes else []
-    groups = [{"params": {w for g in found for w in g["params"]},
-               "intermediates": {n for g in found for n in g["intermediates"]}}] if found else []  # fmt: skip
+    groups = _disjoint(get_param_groups(input_nodes, weights, reverse)) if input_nodes else []
     grouped = {w for g in groups for w in g["params"]}
     work.groups = groups
     work.orphans = [w.variable for w in weights if w not in grouped]

@@ -95,3 +95,30 @@ def test_a_weight_used_twice_is_counted_once_whatever_the_grouping():
         got = [p.grad for p in module.parameters()] + [grad_in]
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, **TOL)
+
+
+def test_weight_gradients_do_not_walk_the_input_path_again():
+    # W starts from the gradients kept at each weight's node and reaches its own weights only: one product
+    # per linear layer, and nothing of the input gradient's path between them (the GELU's backward)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).double()
+    leaf = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    (grad_in,), work = backward_input([block(leaf).sum()], [None], [leaf])
+    with Ops() as ops:
+        work.run()
+    assert "gelu_backward" not in ops.names
+    assert sum(name in ("mm", "addmm", "bmm") for name in ops.names) == 2, ops.names
+    want = torch.autograd.grad(block(leaf).sum(), [leaf, *block.parameters()])
+    for g, w in zip([grad_in, *(p.grad for p in block.parameters())], want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
