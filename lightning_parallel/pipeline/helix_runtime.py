@@ -59,9 +59,8 @@ class HelixRuntime(PipelineRuntime):
         if stage == self.stage:
             ctx.local[(consumer, index, mb)] = [t.detach() for t in tensors]
             return
-        ctx.sends += _collectives.isend_packed(
-            tensors, self.rank_of_stage(stage), self.tag(consumer, mb, index), self.group
-        )
+        sends = _collectives.isend_packed(tensors, self.rank_of_stage(stage), self.tag(consumer, mb, index), self.group)
+        ctx.posted(mb, sends)
 
     def _recv(self, ctx: StepContext, n: int, stage: int, a: Action) -> list[Tensor]:
         if stage == self.stage:
@@ -70,6 +69,7 @@ class HelixRuntime(PipelineRuntime):
             out, clock.sent = _collectives.recv_packed(
                 self.rank_of_stage(stage), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device
             )
+        ctx.received(a.microbatch)
         if len(out) < n:
             raise RuntimeError(
                 f"expected at least {n} tensors for {a} (layer {a.chunk}, micro-batch {a.microbatch}); got {len(out)}"

@@ -20,7 +20,9 @@ Per forward action (micro-batch i, chunk c) on the stage that owns chunk c:
 Per backward action ``B``: back-propagate the loss (scaled by the micro-batch's weight) or the received
 output gradient, and send the input's gradient back. A zero-bubble schedule splits it
 (``split_backward``): ``I`` computes and sends the input's gradient only, ``W`` the weights' later.
-Sends are posted without waiting and completed at the end of the step; only receives block. Every
+Sends are posted without waiting; only receives block. A stage's sends of a micro-batch are completed
+when its next message from another stage arrives (received by then: ``StepContext.received``), the
+rest at the end of the step. Every
 action is recorded in ``timeline`` (start, end, when its receive started and ended, and the producer's
 send time carried in the message's header), all in ``time.time()`` so that events of different
 processes share one clock.
@@ -121,10 +123,30 @@ class StepContext:
     saved: dict[tuple, Any] = field(default_factory=dict)  # what a forward leaves for its backward
     weight_work: dict[tuple[int, int], WeightWork] = field(default_factory=dict)  # I -> W
     local: dict[tuple, list[Tensor]] = field(default_factory=dict)  # messages to this same stage (helix)
-    sends: list[tuple[Any, Tensor]] = field(default_factory=list)
+    sends: dict[int, list[tuple[Any, Tensor]]] = field(default_factory=dict)  # per micro-batch, until complete
     results: dict[int, tuple[Tensor, Any]] = field(default_factory=dict)
     clock: RecvClock = field(default_factory=RecvClock)
     split: bool = False  # the schedule splits the backward into I and W
+
+    def posted(self, microbatch: int, sends: list[tuple[Any, Tensor]]) -> None:
+        """Keep a message's sends (and their payload) until they are known to be complete."""
+        self.sends.setdefault(microbatch, []).extend(sends)
+
+    def received(self, microbatch: int) -> None:
+        """After a message of ``microbatch`` came from another stage: complete and drop this stage's earlier
+        sends of the micro-batch. A micro-batch's actions form one chain (forward chunk by chunk, or helix's
+        P_0 -> A_1 -> P_1 -> ... -> P_L, then the same in reverse), so the message just received was produced
+        after every earlier message of the chain had been received: the waits return at once, and a payload
+        (helix's packed q, k, v and residual are copies) is freed here, not at the end of the step (gloo's
+        ``is_completed`` never turns true for p2p, so a send cannot be polled)."""
+        for work, _ in self.sends.pop(microbatch, []):
+            work.wait()
+
+    def complete_all(self) -> None:
+        for sends in self.sends.values():
+            for work, _ in sends:
+                work.wait()
+        self.sends = {}
 
 
 @dataclass
@@ -203,8 +225,7 @@ class PipelineRuntime:
             start, ctx.clock = time.time(), RecvClock()
             self.handlers[a.kind](ctx, a)
             self.timeline.append(ctx.clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
-        for work, _ in ctx.sends:
-            work.wait()
+        ctx.complete_all()
         return ctx.results
 
     def capture_step(self, step: Callable[[], Any], probe: nn.Module | None = None) -> Capture:
@@ -246,7 +267,7 @@ class PipelineRuntime:
             return
         dst, tag = self.rank_of(consumer.chunk), self.tag(consumer.kind, consumer.microbatch, consumer.chunk)
         send = _collectives.isend_with_header if consumer.kind == "F" else _collectives.isend_timed
-        ctx.sends += send(tensor, dst, tag, self.group)
+        ctx.posted(consumer.microbatch, send(tensor, dst, tag, self.group))
 
     def _receive(self, ctx: StepContext, src_chunk: int, a: Action, like: Tensor | None = None) -> Tensor:
         """What chunk ``src_chunk`` sent to action ``a`` (a gradient shaped ``like``, else an activation)."""
@@ -261,6 +282,7 @@ class PipelineRuntime:
                 out, clock.sent = _collectives.recv_into_timed(
                     torch.empty_like(like), self.rank_of(src_chunk), self.tag(a.kind, a.microbatch, a.chunk), self.group
                 )
+        ctx.received(a.microbatch)
         return out
 
     def _backward_done(self, ctx: StepContext, i: int) -> None:
