@@ -219,3 +219,41 @@ def test_last_batch_shorter_than_num_microbatches_trains_as_one_device():
 
     strategy = lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)  # noqa: E731
     assert_parity("gpt", strategy, 2, data_parallel_size=1, steps=2, train_samples=11)
+
+
+def _pending_sends(rank, world_size):
+    import torch
+
+    from examples.data import CharDataModule
+    from examples.models import GPT
+    from lightning_parallel.pipeline.runtime import StepContext
+
+    counts = {"posted": 0, "most": 0}
+    posted, received = StepContext.posted, StepContext.received
+
+    def count_posted(ctx, microbatch, sends):
+        posted(ctx, microbatch, sends)
+        counts["posted"] += len(sends)
+        counts["most"] = max(counts["most"], sum(len(s) for s in ctx.sends.values()))
+
+    StepContext.posted = count_posted
+    try:
+        torch.manual_seed(0)
+        data = CharDataModule(block_size=64, batch_size=4, shuffle=False)
+        module = GPT(vocab_size=data.vocab_size, block_size=64, n_layer=8, n_head=2, n_embd=32, optimizer="sgd")
+        with tempfile.TemporaryDirectory() as root:
+            trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+                                limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                                default_root_dir=root, strategy=helix(num_microbatches=4)())  # fmt: skip
+            trainer.fit(module, datamodule=data)
+    finally:
+        StepContext.posted, StepContext.received = posted, received
+    return counts
+
+
+def test_a_stage_holds_a_sent_message_only_until_its_micro_batch_comes_back():
+    # a packed message (two sends: header and payload) is a copy; each stage completes its sends of a
+    # micro-batch at the micro-batch's next message from the other stage, so few are ever pending at once
+    for counts in run_distributed(_pending_sends, 2, init_process_group=False):
+        assert counts["posted"] >= 48, counts  # 4 micro-batches x 8 layers: every one of them crosses stages
+        assert counts["most"] <= 2 * 2 * 4, counts  # at most two messages per micro-batch in flight
