@@ -22,8 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
-from lightning_parallel.anatomy.base import AnatomyError, ConfigurationError, Unsupported
-from lightning_parallel.anatomy.verify import verify
+from lightning_parallel.anatomy.base import AnatomyError, ConfigurationError, Split, Unsupported
+from lightning_parallel.anatomy.verify import plain_gradients, verify
 
 SOURCES = ("adapters", "hugging_face", "own_forward", "traced")
 
@@ -133,3 +133,20 @@ def first_verified(
             continue
         return source, anatomy
     raise AnatomyError(explain(block, config, reasons))
+
+
+def verified_split(
+    block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any, winner: str | None = None
+) -> tuple[str, Split]:
+    """``(source, split)``: ``block`` cut at its attention call (HelixPipe) by the first source whose split
+    reproduces the block's own forward and gradients on ``sample`` (:func:`first_verified`)."""
+
+    def build(anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
+        def candidate(copy: nn.Module) -> tuple[Any, Any]:
+            split = anatomy.helix_split(copy, config)
+            return (lambda m, x, a, kw: split(m, x, a, kw)), plain_gradients
+
+        return candidate
+
+    source, anatomy = first_verified(block, sample, config, winner, build, [])
+    return source, anatomy.helix_split(block, config)

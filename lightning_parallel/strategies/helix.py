@@ -24,8 +24,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.resolve import first_verified
-from lightning_parallel.anatomy.verify import plain_gradients
+from lightning_parallel.anatomy.resolve import verified_split
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import DP, PP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
@@ -238,21 +237,10 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         for j, block in enumerate(runtime.trunk.blocks):  # one block whole at a time
             self._materialize_at_first_call(block)  # a deferred block, kept on meta until now
             sample = (cap.trunk_input.detach(), *cap.block_args[j])
-            winner, anatomy = first_verified(block, sample, config, winner, _split_candidate(config), [])
-            self._splits.append(anatomy.helix_split(block, config))
+            winner, split = verified_split(block, sample, config, winner)
+            self._splits.append(split)
             drop_parameters(self.optimizers, place_block(j, block, self._splits[j], self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)
         with self._outer_at_rest():  # what the stage stores: the outer part's shards
             nbytes = parameter_bytes(lm)
         self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], nbytes)
-
-
-def _split_candidate(config: BlockConfig) -> Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]]:
-    def for_anatomy(anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
-        def build(copy: nn.Module) -> tuple[Any, Any]:
-            split = anatomy.helix_split(copy, config)
-            return (lambda m, x, a, kw: split(m, x, a, kw)), plain_gradients
-
-        return build
-
-    return for_anatomy
