@@ -260,22 +260,24 @@ def gather_object_to_zero(obj: object) -> list | None:
     return parts
 
 
-def ping_pong(peer: int, nbytes: int, repeats: int, group: ProcessGroup | None = None) -> float:
-    """The fastest of ``repeats`` one-way times (half a round trip) of ``nbytes`` between this rank and ``peer``
-    (global ranks; both call it, each naming the other)."""
+def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | None = None) -> float:
+    """The median seconds a receive of a message of ``nbytes`` blocks when its send was posted first, the
+    message sent as the pipeline runtimes send one (``isend_with_header``: a header, then the payload into a
+    freshly allocated buffer). This rank and ``peer`` (global ranks; both call it, each naming the other)
+    take turns sending; each returns what it measured as the receiver."""
     buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
-    me, best = dist.get_rank(), float("inf")
-    for _ in range(repeats):
+    me, times = dist.get_rank(), []
+    for tag in range(2 * repeats):
         dist.barrier(group)
-        t0 = time.perf_counter()
-        if me < peer:
-            dist.send(buf, peer, group)
-            dist.recv(buf, peer, group)
+        if (tag % 2 == 0) == (me < peer):
+            for work, _ in isend_with_header(buf, peer, tag, group):  # type: ignore[arg-type]
+                work.wait()
         else:
-            dist.recv(buf, peer, group)
-            dist.send(buf, peer, group)
-        best = min(best, (time.perf_counter() - t0) / 2)
-    return best
+            time.sleep(0.002)  # the send is posted first, as when a pipeline's producer runs ahead
+            t0 = time.perf_counter()
+            recv_with_header(peer, tag, group, buf.device)  # type: ignore[arg-type]
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -324,10 +326,9 @@ _MAX_PACKED = 8
 _PACKED_HEADER = 1 + _MAX_PACKED * (2 + _MAX_DIMS) + 2  # count, (ndim, dtype, shape) each, wide dtype, time
 
 
-def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
-    """Send several tensors as one header + one flat payload (2 p2p ops instead of 2 per tensor). Mixed
-    dtypes (bf16 activations beside an fp32 residual under autocast) travel in the promoted dtype and are
-    cast back on receipt, which is exact."""
+def pack(tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Several tensors as one header (count, each one's ndim, dtype and shape, the payload's dtype, the wall
+    time in microseconds) and one flat payload in their promoted dtype (``isend_packed``'s message)."""
     if not 0 < len(tensors) <= _MAX_PACKED:
         raise ValueError(f"isend_packed takes 1 to {_MAX_PACKED} tensors, got {len(tensors)}")
     header = torch.zeros(_PACKED_HEADER, dtype=torch.int64)
@@ -340,7 +341,14 @@ def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup)
         wide = torch.promote_types(wide, t.dtype)
     header[-2] = _DTYPES.index(wide)
     header[-1] = int(time.time() * 1e6)
-    payload = torch.cat([t.detach().reshape(-1).to(wide) for t in tensors])
+    return header, torch.cat([t.detach().reshape(-1).to(wide) for t in tensors])
+
+
+def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
+    """Send several tensors as one header + one flat payload (``pack``: 2 p2p ops instead of 2 per tensor).
+    Mixed dtypes (bf16 activations beside an fp32 residual under autocast) travel in the promoted dtype and
+    are cast back on receipt, which is exact."""
+    header, payload = pack(tensors)
     return [
         (dist.isend(header, dst, group=group, tag=2 * tag), header),
         (dist.isend(payload, dst, group=group, tag=2 * tag + 1), payload),
