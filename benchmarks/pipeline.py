@@ -260,11 +260,16 @@ def build(name: str, seq_len: int, m: int, rank: int):
     }[name]()
 
 
-def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
+def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace, before_round: Any = None) -> list:
+    """Each configuration's step, one per round after a warm-up round (``before_round(rep)`` runs first in each
+    round, on both ranks)."""
     configs = {name: build(name, seq_len, m, rank) for name in CONFIGS[args.configs]}
     times: dict[str, list[float]] = {k: [] for k in configs}
     extra: dict[str, dict] = {}
     for rep in range(args.reps + 1):  # round 0 is the warm-up
+        if before_round is not None:
+            dist.barrier()
+            before_round(rep)
         for name, cfg in configs.items():
             dist.barrier()
             t0 = time.perf_counter()
@@ -287,6 +292,8 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace) -> list:
             cfg.step(rank)
         extra[name]["live"] = tracker.peak
         dist.barrier()
+    for name in configs:
+        extra[name]["rounds"] = times[name]  # seconds per timed round, in round order
     return [(seq_len, m, name, statistics.median(times[name]), extra[name]) for name in configs]
 
 

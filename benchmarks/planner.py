@@ -1,20 +1,32 @@
 """The planner's predictions against measurements on this machine (2 processes x 1 thread).
 
-    .venv/bin/python benchmarks/planner.py --seq-lens 1024 2048 4096 --m 8 --reps 5
+    .venv/bin/python benchmarks/planner.py --seq-lens 1024 2048 4096 --m 8 --reps 9
 
-For each T: rank 0 profiles the example GPT of ``benchmarks/pipeline.py`` (H=128, 8 blocks, 4 heads,
-micro-batch = 1 sequence) with ``lightning_parallel.plan.profile`` at T/4, T/2 and T while rank 1 waits;
-both measure the link between them (``measure_link``); then every schedule runs at pp=2 (our runtime,
-outside the Trainer, as ``benchmarks/pipeline.py`` measures it: medians of the interleaved rounds, SGD
-step included, peak live tensor bytes per stage of one more step) and the planner predicts the same
-layouts from the profile alone. Printed: predicted and measured step time and their error, predicted
+Both ranks measure the link between them (``measure_link``). For each T, every schedule runs at pp=2 (our
+runtime, outside the Trainer, as ``benchmarks/pipeline.py`` measures it: medians of the interleaved
+rounds, SGD step included, peak live tensor bytes per stage of one more step), and the planner predicts
+the same layouts from a profile alone: the example GPT of ``benchmarks/pipeline.py`` (H=128, 8 blocks, 4
+heads, micro-batch = 1 sequence) profiled with ``lightning_parallel.plan.profile`` at T/4, T/2 and T. This
+machine's speed drifts by tens of per cent over seconds (a shared host), so the profile is taken in the
+same rounds as the runs it predicts: at the start of each round both ranks profile at once (as both cores
+are busy in a run), and the prediction uses every measurement's median over the rounds and the two
+ranks (``plan.combine``). Printed: predicted and measured step time and their error, predicted
 and measured peak live MiB per stage (what a ``LiveTensorTracker`` opened at the step's start sees:
-gradients and activations), and both rankings.
+gradients and activations), predicted and measured busy seconds per stage (computing or transferring:
+the cost model, apart from the schedule's waits), and both rankings. Rounds vary by a few per cent on this
+machine, about as much as the chunked schedules differ, so a ranking is compared on the pairs of schedules
+that the rounds themselves order: a sign test over the paired rounds (each round runs every schedule back
+to back), two-sided, below ``--alpha``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
+import itertools
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipeline as bench  # noqa: E402  (benchmarks/pipeline.py: the model, the runners, the 2-process harness)
 
-from lightning_parallel.plan import Layout, Problem, predict, profile  # noqa: E402
+from lightning_parallel.plan import Layout, Problem, combine, predict, profile  # noqa: E402
 from lightning_parallel.plan.hardware import measure_link  # noqa: E402
 
 SCHEDULES = {  # benchmark row -> the planner's layout (pp=2, no recomputation)
@@ -48,58 +60,109 @@ class _Profiled(bench.GPT):
         return self._loss(batch)
 
 
+def _profile_round(profiles: list, model: _Profiled, data: tuple, lens: list[int], rep: int) -> None:
+    if rep:  # round 0 warms up
+        profiles.append(profile(model, data, lens, repeats=1))
+
+
+def keep_freed_memory() -> None:
+    """Have glibc keep freed memory for reuse instead of giving it back to the OS (mmap threshold 32 MiB, no
+    trimming), as CUDA's caching allocator keeps it on a GPU; by default a step that holds many activations
+    (GPipe, helix) pays page faults for them again every step, which the planner does not model."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:  # type: ignore[no-untyped-def]
-    bench.init_worker(rank, port, minutes=30)
+    if args.allocator == "keep":
+        keep_freed_memory()
+    bench.init_worker(rank, port, minutes=60)
     rows = []
     link = measure_link(1 - rank)
     for seq_len in args.seq_lens:
-        costs = None
-        if rank == 0:
-            torch.manual_seed(0)
-            model = _Profiled(vocab_size=bench.VOCAB, block_size=seq_len, n_layer=bench.LAYERS, n_head=bench.HEADS,
-                              n_embd=bench.H)  # fmt: skip
-            lens = [seq_len // 4, seq_len // 2, seq_len]
-            costs = profile(model, bench.batch(seq_len, 1), lens, repeats=3)
-        dist.barrier()
+        torch.manual_seed(0)
+        model = _Profiled(vocab_size=bench.VOCAB, block_size=seq_len, n_layer=bench.LAYERS, n_head=bench.HEADS,
+                          n_embd=bench.H)  # fmt: skip
+        lens, data = [seq_len // 4, seq_len // 2, seq_len], bench.batch(seq_len, 1)
         for m in args.m:
-            measured = bench.measure(rank, seq_len, m, args)
-            rows.append((seq_len, m, costs, measured))
+            profiles: list = []
+            profile_round = functools.partial(_profile_round, profiles, model, data, lens)
+            measured = bench.measure(rank, seq_len, m, args, before_round=profile_round)
+            rows.append((seq_len, m, profiles, measured))
     out.put((rank, (rows, link)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def sign_test(a: list[float], b: list[float]) -> float:
+    """Two-sided p-value of the sign test over paired rounds: how likely ``a`` beats ``b`` this often (or
+    loses this often) in rounds run back to back if neither is faster."""
+    wins = sum(x < y for x, y in zip(a, b))
+    n = sum(x != y for x, y in zip(a, b))
+    k = max(wins, n - wins)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n) if n else 1.0
+
+
+def ranking(predicted: dict[str, float], rounds: dict[str, list[float]], alpha: float) -> tuple[str, str, list[str]]:
+    """The orders by predicted and measured (median) step time, and each pair of schedules that the rounds
+    order (sign test below ``alpha``) with whether the prediction orders it the same way."""
+    order = lambda d: " < ".join(n[5:] for n in sorted(d, key=d.get))  # noqa: E731
+    measured = {n: statistics.median(r) for n, r in rounds.items()}
+    pairs = []
+    for x, y in itertools.combinations(rounds, 2):
+        p = sign_test(rounds[x], rounds[y])
+        if p < alpha:
+            fast, slow = (x, y) if measured[x] < measured[y] else (y, x)
+            same = predicted[fast] < predicted[slow]
+            pairs.append(f"{fast[5:]} < {slow[5:]} (p={p:.3f}): {'same' if same else 'NOT the same'}")
+    return order(predicted), order(measured), pairs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--m", type=int, nargs="+", default=[8])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--alpha", type=float, default=0.05, help="sign test level for 'the rounds order a pair'")
+    ap.add_argument("--allocator", choices=["keep", "default"], default="keep",
+                    help="keep: glibc keeps freed memory between steps (keep_freed_memory); default: glibc's own")  # fmt: skip
     args = ap.parse_args()
     args.configs = "planner"
     results = bench.run_two(worker, args)
     (rows0, link), (rows1, _) = results[0], results[1]
-    print(f"torch {torch.__version__}, 2 processes x 1 thread, medians of {args.reps} interleaved rounds; link measured:"
-          f" {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us\n")  # fmt: skip
-    cols = ["T", "m", "schedule", "predicted s", "measured s", "error", "pred. live MiB s0 / s1",
-            "meas. live MiB s0 / s1", "live error s0 / s1"]  # fmt: skip
+    print(f"torch {torch.__version__}, 2 processes x 1 thread, allocator {args.allocator}, medians of {args.reps} interleaved"
+          f" rounds; link measured: {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us\n")  # fmt: skip
+    cols = ["T", "m", "schedule", "predicted s", "measured s", "rounds min-max s", "error", "pred. live MiB s0 / s1",
+            "meas. live MiB s0 / s1", "live error s0 / s1", "pred. busy s s0 / s1", "meas. busy s s0 / s1"]  # fmt: skip
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for (seq_len, m, costs, measured0), (_, _, _, measured1) in zip(rows0, rows1):
+    orders = []
+    for (seq_len, m, profiles0, measured0), (_, _, profiles1, measured1) in zip(rows0, rows1):
+        costs = combine(profiles0 + profiles1)
         problem = Problem(costs, seq_len, global_batch=m, link=link, optimizer="sgd")
-        pred_rank, meas_rank = {}, {}
-        for (_, _, name, t0, info0), (_, _, _, t1, info1) in zip(measured0, measured1):
+        predicted, rounds = {}, {}
+        for (_, _, name, _, info0), (_, _, _, _, info1) in zip(measured0, measured1):
             schedule, folds = SCHEDULES[name]
             pr = predict(problem, Layout(pp=2, schedule=schedule, microbatches=m, folds=folds))
-            t = max(t0, t1)
+            rounds[name] = [max(a, b) for a, b in zip(info0["rounds"], info1["rounds"])]
+            t = statistics.median(rounds[name])
             live = [info0["live"], info1["live"]]
             plive = [pr.step_memory[0], pr.step_memory[1]]
-            pred_rank[name], meas_rank[name] = pr.step_time, t
+            busy = [i["times"].compute + i["times"].transfer for i in (info0, info1)]
+            predicted[name] = pr.step_time
             err = [f"{(p - q) / q:+.0%}" for p, q in zip(plive, live)]
-            print(f"| {seq_len} | {m} | {name[5:]} | {pr.step_time:.3f} | {t:.3f} | {(pr.step_time - t) / t:+.1%} | "
+            spread = f"{min(rounds[name]):.3f}-{max(rounds[name]):.3f}"
+            print(f"| {seq_len} | {m} | {name[5:]} | {pr.step_time:.3f} | {t:.3f} | {spread} | {(pr.step_time - t) / t:+.1%} | "
                   f"{plive[0] / 2**20:.0f} / {plive[1] / 2**20:.0f} | {live[0] / 2**20:.0f} / {live[1] / 2**20:.0f} | "
-                  f"{' / '.join(err)} |")  # fmt: skip
-        order = lambda d: " < ".join(n[5:] for n in sorted(d, key=d.get))  # noqa: E731
-        print(f"|  |  | ranking predicted: {order(pred_rank)} |  |  |  |  |  |  |")
-        print(f"|  |  | ranking measured: {order(meas_rank)} |  |  |  |  |  |  |")
+                  f"{' / '.join(err)} | {pr.simulation.busy[0]:.3f} / {pr.simulation.busy[1]:.3f} | "
+                  f"{busy[0]:.3f} / {busy[1]:.3f} |")  # fmt: skip
+        orders.append((seq_len, m, *ranking(predicted, rounds, args.alpha)))
+    for seq_len, m, pred, meas, pairs in orders:
+        same = sum(p.endswith(": same") for p in pairs)
+        print(f"\nT={seq_len}, m={m}: predicted {pred}\n             measured  {meas}\n  pairs the rounds order"
+              f" (sign test, p < {args.alpha}): {same} of {len(pairs)} ordered the same by the prediction")  # fmt: skip
+        for p in pairs:
+            print(f"  - {p}")
 
 
 if __name__ == "__main__":

@@ -8,18 +8,20 @@ ranks, :mod:`lightning_parallel.plan.output` writes the LightningCLI YAML of a p
 
 from lightning_parallel.plan.hardware import GPUS, LINKS, Gpu, Link, published_costs
 from lightning_parallel.plan.predict import Layout, Prediction, Problem, candidates, predict
-from lightning_parallel.plan.profile import BlockCosts, profile
+from lightning_parallel.plan.profile import BlockCosts, HelixCosts, combine, profile
 
 __all__ = [
     "GPUS",
     "LINKS",
     "BlockCosts",
+    "HelixCosts",
     "Gpu",
     "Layout",
     "Link",
     "Prediction",
     "Problem",
     "candidates",
+    "combine",
     "predict",
     "profile",
     "published_costs",

@@ -7,8 +7,8 @@ MPICH"). Presets:
 
 - ``nvlink``: 450 GB/s one way per GPU (NVLink 4, 900 GB/s bidirectional, NVIDIA H100/H20 datasheets), 3 us;
 - ``infiniband``: 50 GB/s (one 400 Gb/s NDR port per GPU), 5 us;
-- ``cpu``: gloo on loopback between two processes, 1.5 GB/s and 60 us, a conservative figure for the
-  2-core machine (``benchmarks/planner.py`` measures the link itself: 2.4-3.6 GB/s, 50-73 us in its runs).
+- ``cpu``: gloo on loopback between two processes, 1.5 GB/s and 60 us, a figure for the 2-core machine
+  (``benchmarks/planner.py`` measures the link itself with ``measure_link``; docs/benchmarks.md has its runs).
 
 ``published_costs`` builds :class:`~lightning_parallel.plan.profile.BlockCosts` from FLOP counts of a
 Llama-style block (Narayanan et al., SC'21, appendix: 24 B T H^2 GEMM FLOPs per layer forward for the
@@ -25,25 +25,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_parallel import _collectives
-from lightning_parallel.plan.profile import BlockCosts, Fit
+from lightning_parallel.plan.profile import BlockCosts, Fit, HelixCosts
 
 
 @dataclass(frozen=True)
 class Link:
-    """Point-to-point bandwidth (bytes/s, one way) and latency (s) between two devices. ``occupies``: the
-    transfer also occupies both ends' processor for its duration (gloo between CPU processes copies the
-    bytes on the cores that compute), where a GPU's copy engines overlap it with compute."""
+    """Point-to-point bandwidth (bytes/s, one way) and latency (s) between two devices. ``rendezvous``: gloo
+    between CPU processes: a message moves only once its receive is posted, the receiving process is blocked
+    while it moves, and the sending process's I/O thread copies it out on the cores that compute; so a
+    receive costs the receiving action the whole transfer, a send costs the sending stage the bytes' time,
+    and nothing arrives ahead of its receive. Otherwise (NCCL, copy engines) the transfer overlaps compute
+    and delays its consumer."""
 
     bandwidth: float
     latency: float
-    occupies: bool = False
-
-    def occupancy(self, nbytes: float) -> float:
-        """Seconds of an endpoint's compute a transfer of ``nbytes`` takes (0 unless ``occupies``)."""
-        return nbytes / self.bandwidth if self.occupies else 0.0
+    rendezvous: bool = False
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
+
+    def receiving(self, nbytes: float) -> float:
+        """Seconds of the receiving action spent moving a message of ``nbytes``."""
+        return self.p2p(nbytes) if self.rendezvous else 0.0
+
+    def sending(self, nbytes: float) -> float:
+        """Seconds of the sending stage's compute a message of ``nbytes`` takes."""
+        return nbytes / self.bandwidth if self.rendezvous else 0.0
+
+    def arrival(self, nbytes: float) -> float:
+        """Seconds from the producer's end until a message of ``nbytes`` can be consumed."""
+        return 0.0 if self.rendezvous else self.p2p(nbytes)
 
     def all_reduce(self, nbytes: float, ranks: int) -> float:
         return 0.0 if ranks <= 1 else 2 * (ranks - 1) * self.latency + 2 * (ranks - 1) / ranks * nbytes / self.bandwidth
@@ -54,18 +65,19 @@ class Link:
 
 
 def measure_link(peer: int, group: Any = None, sizes: tuple[int, int] = (256, 1 << 22), repeats: int = 10) -> Link:
-    """The link to ``peer`` (a global rank) measured by ping-pong of a small and a large message: the
-    latency from the small one, the bandwidth from the difference. Both ranks call it, each naming the other.
-    For gloo between CPU processes (``occupies``)."""
-    (small, large), (t_small, t_large) = sizes, [_collectives.ping_pong(peer, n, repeats, group) for n in sizes]
+    """The gloo link to ``peer`` (a global rank) as a pipeline's consumer meets it: how long a receive of a
+    small and of a large message blocks once the send was posted (``_collectives.receive_time``); the
+    latency from the small one, the bandwidth from the difference. Both ranks call it, each naming the other."""
+    (small, large) = sizes
+    t_small, t_large = (_collectives.receive_time(peer, n, repeats, group) for n in sizes)
     bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-    return Link(bandwidth, max(t_small - small / bandwidth, 0.0), occupies=True)
+    return Link(bandwidth, max(t_small - small / bandwidth, 0.0), rendezvous=True)
 
 
 LINKS = {
     "nvlink": Link(450e9, 3e-6),
     "infiniband": Link(50e9, 5e-6),
-    "cpu": Link(1.5e9, 60e-6, occupies=True),
+    "cpu": Link(2.5e9, 450e-6, rendezvous=True),
 }
 
 
@@ -83,19 +95,25 @@ GPUS = {"h20": Gpu("NVIDIA H20", 148e12, 96e9), "h100": Gpu("NVIDIA H100 SXM", 9
 def published_costs(hidden: int, layers: int, heads: int, vocab: int, gpu: Gpu, micro_batch: int = 1) -> BlockCosts:
     """``BlockCosts`` of a Llama-like model (MLP 4H, BF16) on ``gpu`` from FLOP counts (module docstring)."""
     rate, b, h = gpu.bf16_flops * gpu.mfu, micro_batch, hidden
-    qkv = lambda t: 2 * b * t * h * 3 * h / rate  # noqa: E731  (QKV projection: 3H^2 per token, x2 FLOPs)
-    out_mlp = lambda t: 2 * b * t * h * (h + 8 * h) / rate  # noqa: E731  (output projection H^2, MLP 8H^2)
+    qkv = 2 * b * h * 3 * h / rate  # per token: the QKV projection, 3H^2 multiply-adds
+    out_mlp = 2 * b * h * (h + 8 * h) / rate  # per token: the output projection H^2 and the MLP 8H^2
+    gemms = qkv + out_mlp
+    att = 4 * b * h / rate / 2  # per token^2: causal, half of 4 B T^2 H
+    att_grad = 2.5 * att
+    # what each policy recomputes in the backward: a tenth of the GEMMs' time for "selective" (its element-wise
+    # work, an estimate), the GEMMs for "no_attention", everything for "full"
+    redo = {"none": Fit([0.0]), "selective": Fit([0.0, 0.1 * gemms]), "no_attention": Fit([0.0, gemms]),
+            "full": Fit([0.0, gemms, att])}  # fmt: skip
+    add = lambda f, g: Fit([x + y for x, y in zip(f.coef + [0.0] * 3, g.coef + [0.0] * 3)])  # noqa: E731
+    forward, input_grad, weight_grad = Fit([0.0, gemms, att]), Fit([0.0, gemms, att_grad]), Fit([0.0, gemms])
     bytes_ = 2
     return BlockCosts(
         num_blocks=layers,
         hidden_bytes=Fit([0.0, b * h * bytes_]),
-        pre=Fit([0.0, qkv(1)]),
-        attention=Fit([0.0, 0.0, 4 * b * h / rate / 2]),  # causal: half of 4 B T^2 H
-        post=Fit([0.0, out_mlp(1)]),
-        pre_grad=Fit([0.0, qkv(1)]),
-        attention_grad=Fit([0.0, 0.0, 2.5 * 4 * b * h / rate / 2]),
-        post_grad=Fit([0.0, out_mlp(1)]),
-        weight_grad=Fit([0.0, qkv(1) + out_mlp(1)]),
+        forward={p: forward for p in redo},
+        backward={p: add(add(input_grad, weight_grad), redo[p]) for p in redo},
+        input_grad={p: add(input_grad, redo[p]) for p in redo},
+        weight_grad={p: weight_grad for p in redo},
         # kept bytes per token (BF16): 34 B T H without recomputation (Korthikanti et al., 2022, Table 2, less
         # the attention scores flash attention never stores); the input only under "full"; attention's
         # output and statistics plus the input under "no_attention"; under "selective" (GEMM and attention
@@ -106,16 +124,27 @@ def published_costs(hidden: int, layers: int, heads: int, vocab: int, gpu: Gpu, 
             "no_attention": Fit([0.0, 4 * b * h + 4 * b * heads]),
             "full": Fit([0.0, 2 * b * h]),
         },  # fmt: skip
-        recompute={
-            "none": Fit([0.0]),
-            "selective": Fit([0.0, 0.1 * (qkv(1) + out_mlp(1))]),
-            "no_attention": Fit([0.0, qkv(1) + out_mlp(1)]),
-            "full": Fit([0.0, qkv(1) + out_mlp(1), 4 * b * h / rate / 2]),
-        },  # fmt: skip
+        split_bytes=Fit([0.0, 10 * b * h]),  # the output gradients of the four GEMMs (H, H, 4H, H wide), BF16
+        helix=HelixCosts(
+            pre=Fit([0.0, qkv]),
+            attention=Fit([0.0, 0.0, att]),
+            post=Fit([0.0, out_mlp]),
+            pre_grad=Fit([0.0, 2 * qkv]),  # input gradient = forward for the GEMMs, weight gradient = forward
+            attention_grad=Fit([0.0, 0.0, att_grad]),
+            post_grad=Fit([0.0, 2 * out_mlp]),
+            qkv_bytes=Fit([0.0, 4 * b * h * bytes_]),  # q, k, v and the residual
+            out_bytes=Fit([0.0, 2 * b * h * bytes_]),  # the attention output and the residual
+            # the 34 B T H above by part (Korthikanti et al.'s per-tensor counts; an estimate): pre keeps the
+            # norm's output and q, k, v; attention its output; post the rest (residual, norm, MLP, output)
+            pre_kept=Fit([0.0, 8 * b * h]),
+            attention_kept=Fit([0.0, 2 * b * h]),
+            post_kept=Fit([0.0, 24 * b * h]),
+        ),
         head_forward=Fit([0.0, 2 * b * h * vocab / rate]),
         head_backward=Fit([0.0, 4 * b * h * vocab / rate]),
-        split_bytes=Fit([0.0, 10 * b * h]),  # the output gradients of the four GEMMs (H, H, 4H, H wide), BF16
+        head_kept=Fit([0.0, 4 * b * vocab]),  # the logits' softmax in FP32 (an estimate)
         capture=Fit([0.0]),
+        capture_kept=Fit([0.0, b * h * bytes_]),  # the trunk input
         block_parameter_bytes=12 * h * h * bytes_,
         outer_parameter_bytes=2 * vocab * h * bytes_,
         dtype_bytes=bytes_,

@@ -6,19 +6,24 @@ A :class:`Layout` names what a strategy takes: dp, pp, tp, sp sizes, the schedul
 recomputation policy. Per action (``Action.kind`` of the same schedules the runtime executes):
 
 - chunk actions: the chunk's blocks (``place_blocks``, the strategy's placement) times the per-block
-  cost at the micro-batch's tokens, divided by tp x sp (sharded work), plus tp's two all-reduces per
-  block and direction and sp's four all-to-alls (Ulysses); the last chunk adds the head; ``B`` = I + W +
-  the policy's recomputed forward; ``I`` carries the recomputation, ``W`` the weight gradients;
+  cost of the action (``F``, ``B``, ``I``, ``W`` under the policy, as measured) at the micro-batch's
+  tokens, divided by tp x sp (sharded work), plus tp's two all-reduces per block and direction and sp's
+  four all-to-alls (Ulysses); the last chunk adds the head, a stage's first chunk the capture;
 - helix: ``FP``/``BP`` the post- and pre-attention parts around a layer boundary, ``FA``/``BA`` the
-  attention core, recomputation of the param chunks (its ``no_attention``) in ``BP``;
-- a message to another stage costs the link's p2p time for its bytes (hidden state; q, k, v and the
-  residual for helix), a dependency on the same stage nothing.
+  attention core, recomputation of the param chunks (its ``no_attention``) in ``BP``, packing a message
+  to another stage (a copy);
+- a message to another stage (hidden state; q, k, v and the residual for helix) costs the link's time
+  for its bytes, to the receiving action under gloo's rendezvous (``Link.receiving``), as a delay before
+  the consumer otherwise (``Link.arrival``); a dependency on the same stage costs nothing.
 
 Step time = the simulated makespan + the gradient all-reduce over dp (after the schedule, as the
 strategies run it). Memory per stage = parameters, gradients and optimizer state of what the stage
 holds (blocks of its chunks by the real placement functions; the pre/post-trunk parameters as 1/pp
-shards plus, whole, where they run) + the simulated peak of kept activations (each forward adds what
-its policy keeps, its ``B`` or ``W`` frees it) + one block's activations being formed (the transient).
+shards plus, whole, where they run) + the simulated peak of what the step holds: each forward adds what
+it keeps for its backward (the policy's saved tensors, a received input, the head's; helix: each part's)
+and its backward frees it, ``I`` holds the weights' work until ``W``, a captured micro-batch lives from
+the stage's first action of it to its last backward, a packed copy sent until the runtime completes it
+(at the micro-batch's next message from another stage) + one block's activations being formed.
 """
 
 from __future__ import annotations
@@ -105,6 +110,8 @@ def check(problem: Problem, layout: Layout) -> str | None:
     if problem.global_batch % (layout.dp * m):
         return f"global batch {problem.global_batch} does not split into dp {layout.dp} x m {m}"
     if layout.schedule == "helix":
+        if problem.costs.helix is None:
+            return f"no HelixPipe split of the block: {problem.costs.helix_refused}"
         if p < 2 or L % p or m % (p * layout.folds):
             return "helix needs pp >= 2, L % pp == 0 and m % (pp * folds) == 0"
         if layout.sp > 1 or layout.tp > 1:
@@ -132,14 +139,18 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
     tp_comm = 2 * link.all_reduce(hb / layout.sp, layout.tp)  # two per block and direction (Megatron)
     sp_comm = 4 * link.all_gather(hb / layout.tp, layout.sp)  # q, k, v and the output (Ulysses)
     comm = tp_comm + sp_comm
-    f = samples * c.forward(t) / shard + comm
-    i = samples * c.input_grad(t) / shard + comm
-    w = samples * c.weight_grad(t) / shard
-    rc = samples * c.recompute.get(layout.recompute, c.recompute["none"])(t) / shard
-    kept = samples * c.kept.get(layout.recompute, c.kept["none"])(t) / shard
+    policy = c.policy(layout.recompute)
+    per_block = lambda costs: samples * costs[policy](t) / shard  # noqa: E731
+    f, b, i, w = (
+        per_block(c.forward) + comm,
+        per_block(c.backward) + comm,
+        per_block(c.input_grad) + comm,
+        per_block(c.weight_grad),
+    )
+    kept = per_block(c.kept)
     head_f, head_b = samples * c.head_forward(t) / layout.tp, samples * c.head_backward(t) / layout.tp
     if layout.schedule == "helix":
-        return _predict_helix(problem, layout, samples, t, hb, comm, rc, kept)
+        return _predict_helix(problem, layout, samples, t, hb, comm, kept)
     p, v = layout.pp, layout.virtual
     sizes = _blocks_per_chunk(layout, c.num_blocks) if p > 1 else [c.num_blocks]
     last = len(sizes) - 1
@@ -152,66 +163,80 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
     def cost(a: Action) -> float:
         n, ch = sizes[a.chunk], a.chunk
         head = ch == last
-        if a.kind == "F":
-            moved = (remote(ch, ch - 1) + remote(ch, ch + 1)) * link.occupancy(hb)
+        if a.kind == "F":  # receives the previous chunk's output, sends its own on
+            moved = remote(ch, ch - 1) * link.receiving(hb) + remote(ch, ch + 1) * link.sending(hb)
             return n * f + head * head_f + (ch in firsts) * capture + moved
-        moved = (remote(ch, ch + 1) + remote(ch, ch - 1)) * link.occupancy(hb)
+        moved = remote(ch, ch + 1) * link.receiving(hb) + remote(ch, ch - 1) * link.sending(hb)  # gradients
         if a.kind == "B":
-            return n * (i + w + rc) + head * head_b + moved
+            return n * b + head * head_b + moved
         if a.kind == "I":
-            return n * (i + rc) + head * head_b + moved
+            return n * i + head * head_b + moved
         return n * w
 
     split = samples * c.split_bytes(t) / shard
     whole = samples * c.kept["none"](t) / shard
     capture = samples * c.capture(t)
     firsts = {min(ch for ch in range(len(sizes)) if stages_of(ch) == s) for s in range(p)}
+    head_kept = samples * c.head_kept(t) / layout.tp
 
-    def held(a: Action) -> float:
-        n = sizes[a.chunk]
+    def kept_by(a: Action) -> float:
+        """What chunk ``a.chunk``'s forward keeps for its backward: its blocks' saved tensors, a received
+        input (a new buffer), the head's on the last chunk."""
+        ch = a.chunk
+        return sizes[ch] * kept + remote(ch, ch - 1) * hb / shard + (ch == last) * head_kept
+
+    def chunk_held(a: Action) -> float:
         # I recomputes what the policy did not keep and holds it, with the gradients at the weights, until W
-        return {"F": n * kept, "B": -n * kept, "I": n * (whole - kept + split), "W": -n * (whole + split)}[a.kind]
+        n, sign = sizes[a.chunk], {"F": 1, "B": -1, "I": -1, "W": 0}[a.kind]
+        split_held = {"I": n * (whole + split), "W": -n * (whole + split)}.get(a.kind, 0.0)
+        return sign * kept_by(Action("F", a.microbatch, a.chunk)) + split_held
 
     if p == 1:
         schedule: Schedule = {0: [Action("F", k, 0) for k in range(layout.microbatches)]
                               + [Action("B", k, 0) for k in range(layout.microbatches)]}  # fmt: skip
-        sim = simulate(schedule, 1, layout.microbatches, cost=cost, held=held)
     else:
         schedule = build_schedule(layout.schedule, p, layout.microbatches, v)
-        delay = lambda d, a: link.p2p(hb)  # noqa: E731
+    captured = _captures(schedule, lambda s: samples * c.capture_kept(t) if s == stages[0] else hb)
+    held = lambda a: chunk_held(a) + captured(a)  # noqa: E731
+    if p == 1:
+        sim = simulate(schedule, 1, layout.microbatches, cost=cost, held=held)
+    else:
+        delay = lambda d, a: link.arrival(hb)  # noqa: E731
         sim = simulate(schedule, p * v, layout.microbatches, cost=cost, latency=delay, stages=stages, held=held)
     blocks_on = {s: sum(n for ch, n in enumerate(sizes) if stages[ch] == s) for s in range(p)}
     outer_on = {s: {stages[0], stages[-1]} for s in range(p)}
     return _finish(problem, layout, sim, schedule, cost, blocks_on, outer_on, samples, t, hb, comm, kept)
 
 
-def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb: float, comm: float, rc: float,
+def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb: float, comm: float,
                    kept: float) -> Prediction:  # fmt: skip
     c, link, p, L = problem.costs, problem.link, layout.pp, problem.costs.num_blocks
-    shard = layout.tp
-    pre, post, att = (samples * fn(t) / shard for fn in (c.pre, c.post, c.attention))
-    pre_g, post_g, att_g = (samples * fn(t) / shard for fn in (c.pre_grad, c.post_grad, c.attention_grad))
-    w = samples * c.weight_grad(t) / shard
-    w_pre = w * pre / max(pre + post, 1e-12)
+    assert c.helix is not None, "check() refuses helix without a split"
+    h = c.helix
+    pre, post, att = (samples * fn(t) / layout.tp for fn in (h.pre, h.post, h.attention))
+    pre_g, post_g, att_g = (samples * fn(t) / layout.tp for fn in (h.pre_grad, h.post_grad, h.attention_grad))
     recompute = layout.recompute != "none"
     head_f, head_b = samples * c.head_forward(t) / layout.tp, samples * c.head_backward(t) / layout.tp
-
     capture = samples * c.capture(t)
-    qkv, out = 4 * hb, 2 * hb  # q, k, v and the residual; the attention output and the residual
+    qkv, out = samples * h.qkv_bytes(t), samples * h.out_bytes(t)  # the two messages of a layer (and gradients)
+
+    def ends(a: Action) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
+        """The action's stage, and the (stage, bytes) of what it receives and of what it sends."""
+        j, mb = a.chunk, a.microbatch
+        if a.kind[1] == "A":  # FA takes q, k, v from P_{j-1} and gives its output to P_j; BA the reverse
+            here = attention_stage(j, mb, p, layout.folds)
+            pre_side, post_side = [((j - 1) % p, qkv)], [(j % p, out)]
+            return (here, pre_side, post_side) if a.kind == "FA" else (here, post_side, pre_side)
+        # FP takes A_j's output and gives q, k, v to A_{j+1}; BP the reverse
+        before = [(attention_stage(j, mb, p, layout.folds), out)] if j > 0 else []
+        after = [(attention_stage(j + 1, mb, p, layout.folds), qkv)] if j < L else []
+        return (j % p, before, after) if a.kind == "FP" else (j % p, after, before)
 
     def moved(a: Action) -> float:
-        """The endpoint time of the action's remote receive and send (``Link.occupies``)."""
-        j, mb = a.chunk, a.microbatch
-        here = attention_stage(j, mb, p, layout.folds) if a.kind[1] == "A" else j % p
-        if a.kind == "FA":
-            pairs = [((j - 1) % p, qkv), (j % p, out)]
-        elif a.kind == "BA":
-            pairs = [(j % p, out), ((j - 1) % p, qkv)]
-        else:
-            before = [(attention_stage(j, mb, p, layout.folds), out)] if j > 0 else []
-            after = [(attention_stage(j + 1, mb, p, layout.folds), qkv)] if j < L else []
-            pairs = before + after
-        return sum(link.occupancy(n) for stage, n in pairs if stage != here)
+        """The action's remote receive and send (``Link.receiving``, ``Link.sending``), packing the send (a copy)."""
+        here, received, sent = ends(a)
+        receiving = sum(link.receiving(n) for stage, n in received if stage != here)
+        return receiving + sum(link.sending(n) + c.pack(n) for stage, n in sent if stage != here)
 
     def cost(a: Action) -> float:
         j = a.chunk
@@ -222,27 +247,63 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
         parts_f = (pre if j < L else 0.0) + (post if j > 0 else 0.0) + (head_f if j == L else 0.0)
         if a.kind == "FP":  # the stage's first action of the micro-batch (j < p) captures it
             return parts_f + comm / 2 + moved(a) + (capture if j < p else 0.0)
-        parts_b = (pre_g + w_pre if j < L else 0.0) + (post_g + w - w_pre if j > 0 else 0.0) + (head_b if j == L else 0)
+        parts_b = (pre_g if j < L else 0.0) + (post_g if j > 0 else 0.0) + (head_b if j == L else 0.0)
         return parts_b + (parts_f if recompute and j > 0 else 0.0) + comm / 2 + moved(a)
 
     nbytes = {"FA": qkv, "FP": out, "BA": out, "BP": qkv}
-    # the attention stage keeps what it received (q, k, v, the residual) and its output; a param chunk
-    # keeps its outputs (q, k, v, the residual) for its backward and what its policy keeps inside
-    attention_kept = (qkv + out / 2) / layout.tp
-    inside = 2 * hb if recompute else max(samples * c.kept["none"](t) / shard - attention_kept, 0.0)
-    chunk_kept = inside + qkv / layout.tp
+    pre_kept, att_kept, post_kept = (samples * fn(t) for fn in (h.pre_kept, h.attention_kept, h.post_kept))
+    head_kept = samples * c.head_kept(t)
 
-    def held(a: Action) -> float:
-        sign = 1 if a.kind[0] == "F" else -1
-        edge = 0.5 if a.chunk in (0, L) else 1.0  # P_0 is a pre-attention part only, P_L a post-attention one
-        return sign * (attention_kept if a.kind[1] == "A" else edge * chunk_kept)
+    def kept_by(a: Action) -> float:
+        """What a forward keeps until its backward: the part's saved tensors and outputs (a chunk run under
+        recomputation: its outputs only, the loss chunk nothing), and what it received from another stage (a
+        new buffer; a message handed over on the same stage shares the sender's)."""
+        j = a.chunk
+        here, received, _ = ends(a)
+        inputs = sum(n for stage, n in received if stage != here)
+        if a.kind == "FA":
+            return att_kept + inputs
+        if recompute and j > 0:
+            return (qkv if j < L else 0.0) + inputs
+        return (post_kept if j > 0 else 0.0) + (pre_kept if j < L else 0.0) + (head_kept if j == L else 0.0) + inputs
+
+    pending: dict[tuple[int, int], float] = {}  # packed copies sent, per (stage, micro-batch), until complete
+
+    def helix_held(a: Action) -> float:
+        delta = (1 if a.kind[0] == "F" else -1) * kept_by(Action("F" + a.kind[1], a.microbatch, a.chunk))
+        here, received, sent = ends(a)
+        if any(stage != here for stage, _ in received):  # the runtime completes earlier sends here
+            delta -= pending.pop((here, a.microbatch), 0.0)
+        copies = sum(n for stage, n in sent if stage != here)
+        pending[(here, a.microbatch)] = pending.get((here, a.microbatch), 0.0) + copies
+        return delta + copies
 
     m, folds = layout.microbatches, layout.folds
     schedule = helix(p, L, m, folds)
-    sim = simulate_helix(schedule, L, m, folds, cost, latency=lambda d, a: link.p2p(nbytes[a.kind]), held=held)
+    captured = _captures(schedule, lambda s: samples * c.capture_kept(t) if s == 0 else hb)
+    held = lambda a: helix_held(a) + captured(a)  # noqa: E731
+    sim = simulate_helix(schedule, L, m, folds, cost, latency=lambda d, a: link.arrival(nbytes[a.kind]), held=held)
     blocks_on = dict.fromkeys(range(p), L / p)  # each stage: the pre of some layers and the post of others
     outer_on = dict.fromkeys(range(p), {0})
     return _finish(problem, layout, sim, schedule, cost, blocks_on, outer_on, samples, t, hb, comm, kept)
+
+
+def _captures(schedule: Schedule, nbytes: Callable[[int], float]) -> Callable[[Action], float]:
+    """What a captured micro-batch holds on a stage (``nbytes(stage)``), from the stage's first action of the
+    micro-batch to its last backward action (the runtime drops the capture when the backwards are done)."""
+    delta: dict[Action, float] = {}
+    for s, actions in schedule.items():
+        first: dict[int, Action] = {}
+        last: dict[int, Action] = {}
+        for a in actions:
+            first.setdefault(a.microbatch, a)
+            if a.kind in ("B", "W", "BP", "BA"):
+                last[a.microbatch] = a
+        for a in first.values():
+            delta[a] = delta.get(a, 0.0) + nbytes(s)
+        for a in last.values():
+            delta[a] = delta.get(a, 0.0) - nbytes(s)
+    return lambda a: delta.get(a, 0.0)
 
 
 def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedule, cost: Any, blocks_on: dict,

@@ -1,31 +1,44 @@
-"""Measure a model's own costs on the local device, fitted in the sequence length so they extrapolate.
+"""Measure a model's own costs on the local device, per action the runtime executes, fitted in the sequence
+length so they extrapolate.
 
 For each length T of a short list (the user's batch cropped along dim 1), one micro-batch is captured
 through the user's own ``training_step`` (``pipeline.capture``: the trunk input and each block's
-arguments), and trunk block 0 runs forward, input-gradient (I) and weight-gradient (W) backward under a
-dispatch-mode timer that splits every op's time into *attention* (the fused attention kernels that
-``recompute`` keeps, forward and backward) and the rest, the rest into before and after the attention
-call (HelixPipe's ``pre`` and ``post``). Per recomputation policy it also records the bytes the block
-keeps for its backward (``memory.kept_for_backward``) and the recomputed forward's time. The post-trunk
-code and loss (head) is timed forward and backward with the trunk output substituted.
+arguments), and trunk block 0 runs, by wall clock (medians after a warm-up), exactly the calls the
+runtime makes of it:
 
-Fits: attention time ``a + b T + c T^2`` (its work is quadratic in T), everything else and all bytes
-``a + b T`` (least squares over the lengths). With two lengths the quadratic term is left out.
+- per recomputation policy (the block wrapped as the strategies wrap it): its forward (``F``), the fused
+  backward with the recomputation (``B``), and the split backward of the zero-bubble schedules: the
+  input-gradient call (``I``) and the weight-gradient call (``W``) of ``pipeline.split_backward``, with
+  the bytes the block keeps for its backward (``memory.kept_for_backward``) and what ``I`` holds for ``W``;
+- HelixPipe's parts, with the block's verified split (``anatomy.resolve.verified_split``, the one
+  ``HelixParallelStrategy`` uses): pre-attention, attention and post-attention, each forward and each
+  backward on its own graph from detached inputs, as the helix runtime calls them, and the packing of
+  its two messages (``_collectives.pack``, what ``isend_packed`` sends).
+
+The post-trunk code and loss (head) is timed forward and backward with the trunk output substituted, the
+capture (the user's step up to the trunk) per micro-batch. Wall clock, not a sum of op times: the
+runtime pays each call's Python, autograd and allocator overheads too, and an action that runs a part
+of a block (helix) pays them per part.
+
+Fits: a cost that contains attention ``a + b T + c T^2`` (its work is quadratic in T), every other cost
+and all bytes ``a + b T``, least squares with non-negative coefficients over the lengths.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_parallel import _collectives
+from lightning_parallel.anatomy.base import AnatomyError, Split
+from lightning_parallel.anatomy.resolve import verified_split
+from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.memory import kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,
@@ -37,36 +50,11 @@ from lightning_parallel.pipeline.capture import (
     unwrap_output,
 )
 from lightning_parallel.pipeline.split_backward import backward_input
-from lightning_parallel.recompute import POLICIES, apply_recompute, attention_ops
+from lightning_parallel.recompute import apply_recompute
 from lightning_parallel.trunk import Trunk, discover_trunk
 
-
-def _attention_names() -> set[str]:
-    """The fused attention kernels, forward and backward, by op name without overload."""
-    names = {str(op.name()).split(".")[0] for op in attention_ops()}
-    return names | {n + "_backward" for n in names}
-
-
-class _Timer(TorchDispatchMode):
-    """Seconds per op class: ``attention`` and, around it, ``pre`` (ops before the first attention op
-    of the region) and ``post`` (after it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seconds = {"pre": 0.0, "attention": 0.0, "post": 0.0}
-        self.seen_attention = False
-        self._attention = _attention_names()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        t0 = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        dt = time.perf_counter() - t0
-        if str(func.name()).split(".")[0] in self._attention:
-            self.seconds["attention"] += dt
-            self.seen_attention = True
-        else:
-            self.seconds["post" if self.seen_attention else "pre"] += dt
-        return out
+PLANNED_POLICIES = ("none", "selective", "no_attention", "full")
+HELIX_PARTS = ("pre", "attention", "post", "pre_grad", "attention_grad", "post_grad")
 
 
 @dataclass
@@ -74,16 +62,22 @@ class Sample:
     """One length's measurements for one block (seconds; bytes)."""
 
     seq_len: int
-    forward: dict[str, float]  # pre / attention / post
-    input_grad: dict[str, float]  # the I action, split as above (its "pre" is the post-attention part: reversed)
-    weight_grad: float  # the W action
-    kept: dict[str, int]  # bytes kept for backward per policy
-    recompute: dict[str, float]  # seconds of the recomputed forward per policy
+    forward: dict[str, float]  # per policy: F
+    backward: dict[str, float]  # per policy: B (the fused backward, recomputation included)
+    input_grad: dict[str, float]  # per policy: I
+    weight_grad: dict[str, float]  # per policy: W
+    kept: dict[str, int]  # per policy: bytes kept for backward
+    split_bytes: int  # what I keeps for W beyond the forward's saved tensors (gradients at the intermediates)
+    helix: dict[str, float] | None  # HELIX_PARTS, seconds; None: the block has no verified split
+    helix_bytes: tuple[int, int]  # the two helix messages: (q, k, v, state) and (attention output, state)
+    helix_kept: tuple[int, int, int]  # bytes each part keeps for its backward (outputs included): pre, attention, post
+    helix_pack: tuple[float, float]  # seconds to pack each of the two messages (``_collectives.pack``)
     head_forward: float
     head_backward: float
+    head_kept: int  # bytes the post-trunk code and loss keep for their backward
+    capture_kept: int  # bytes a captured micro-batch holds (trunk input, block arguments, the pre-trunk graph)
     message: int  # bytes of the hidden state between blocks
     dtype_bytes: int
-    split_bytes: int  # what I keeps for W beyond the forward's saved tensors (gradients at the intermediates)
     capture: float  # seconds to capture one micro-batch (the user's step up to the trunk)
 
 
@@ -98,11 +92,37 @@ class Fit:
 
 
 def fit(xs: list[int], ys: list[float], degree: int) -> Fit:
-    degree = min(degree, len(xs) - 1)
-    a = torch.tensor([[float(x) ** i for i in range(degree + 1)] for x in xs], dtype=torch.float64)
+    """Least squares with non-negative coefficients (a cost does not shrink with T): terms whose coefficient
+    comes out negative are dropped and the rest refitted."""
+    terms = list(range(min(degree, len(xs) - 1) + 1))
     b = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
-    coef = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
-    return Fit(coef)
+    while True:
+        a = torch.tensor([[float(x) ** i for i in terms] for x in xs], dtype=torch.float64)
+        sol = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+        negative = [i for i, c in zip(terms, sol) if c < 0]
+        if not negative or len(terms) == 1:
+            coef = [0.0] * (max(terms) + 1)
+            for i, c in zip(terms, sol):
+                coef[i] = max(c, 0.0)
+            return Fit(coef)
+        terms.remove(negative[-1])
+
+
+@dataclass
+class HelixCosts:
+    """HelixPipe's parts of one block, seconds per micro-batch sequence; message bytes."""
+
+    pre: Fit
+    attention: Fit
+    post: Fit
+    pre_grad: Fit  # each backward on its own graph, the weights' gradients included
+    attention_grad: Fit
+    post_grad: Fit
+    qkv_bytes: Fit  # the message to the attention stage: q, k, v and the state post needs
+    out_bytes: Fit  # the message back: the attention output and that state
+    pre_kept: Fit  # bytes each part keeps for its backward, its outputs included (not its inputs)
+    attention_kept: Fit
+    post_kept: Fit
 
 
 @dataclass
@@ -111,31 +131,30 @@ class BlockCosts:
 
     num_blocks: int
     hidden_bytes: Fit  # the message between blocks, bytes
-    pre: Fit  # forward, seconds
-    attention: Fit
-    post: Fit
-    pre_grad: Fit  # input-gradient (I) parts, seconds
-    attention_grad: Fit
-    post_grad: Fit
-    weight_grad: Fit  # W, seconds
+    forward: dict[str, Fit]  # per policy, seconds: F, B, I, W
+    backward: dict[str, Fit]
+    input_grad: dict[str, Fit]
+    weight_grad: dict[str, Fit]
     kept: dict[str, Fit]  # bytes kept for backward per block, per policy
-    recompute: dict[str, Fit]  # seconds of the recomputed forward per block, per policy
+    split_bytes: Fit  # bytes held from I to W beyond the forward's kept tensors, per block
+    helix: HelixCosts | None  # None: no verified split (``helix_refused`` says why)
     head_forward: Fit
     head_backward: Fit
-    split_bytes: Fit  # bytes held from I to W beyond the forward's kept tensors, per block
+    head_kept: Fit
     capture: Fit  # seconds per micro-batch and stage
+    capture_kept: Fit  # bytes per captured micro-batch on the stage that runs the pre-trunk code
     block_parameter_bytes: int
     outer_parameter_bytes: int
     dtype_bytes: int
+    pack: Fit = field(default_factory=lambda: Fit([0.0]))  # seconds to pack a helix message, in its bytes
+    helix_refused: str = ""
     micro_batch: int = 1  # samples per profiled micro-batch (costs scale linearly in samples)
     samples: list[Sample] = field(default_factory=list)
     source: str = "measured"
 
-    def forward(self, t: float) -> float:
-        return self.pre(t) + self.attention(t) + self.post(t)
-
-    def input_grad(self, t: float) -> float:
-        return self.pre_grad(t) + self.attention_grad(t) + self.post_grad(t)
+    def policy(self, name: str) -> str:
+        """The measured policy closest to ``name`` (``every_n`` is planned as ``full``)."""
+        return name if name in self.forward else "full"
 
 
 def crop(batch: Any, seq_len: int) -> Any:
@@ -156,70 +175,165 @@ def _capture(trunk: Trunk, step: Callable[[], Any]) -> tuple[Capture, Any]:
         return capture(trunk, step, like), like
 
 
-def _forward(block: Any, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
-    return unwrap_output(block(x, *args, **kwargs), block)
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
-def _block_pass(block: Any, x: Tensor, args: tuple, kwargs: dict) -> tuple[dict, dict, float, int]:
-    """Forward, I and W of one block on a leaf input, timed by op class; and the bytes of the gradients
-    that I leaves at the weights' intermediates for W."""
-    leaf = x.detach().requires_grad_(True)
-    timer = _Timer()
-    with timer:
-        y = unwrap_output(block(leaf, *args, **kwargs), block)
-    forward = dict(timer.seconds)
-    grad = torch.randn_like(y)
-    timer = _Timer()
-    with timer:
-        _, work = backward_input([y], [grad], [leaf])
-    # backward runs post-attention ops first: what the timer calls "pre" is the post part's gradient
-    backward = {"post": timer.seconds["pre"], "attention": timer.seconds["attention"], "pre": timer.seconds["post"]}
-    kept = sum(g.numel() * g.element_size() for group in work.groups for grads in group["grads"] if grads
-               for g in grads if g is not None)  # fmt: skip
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
-    work.run()
-    return forward, backward, time.perf_counter() - t0, kept
+    out = fn()
+    return time.perf_counter() - t0, out
 
 
-def _sample(lm: Any, trunk: Trunk, batch: Any, seq_len: int, repeats: int) -> Sample:
+def _wrapped(block: Any, policy: str, split_backward: bool) -> tuple[Any, Callable[[], None]]:
+    """``block`` run under ``policy`` as the strategies wrap trunk blocks, and how to unwrap it."""
+    holder = torch.nn.Module()
+    holder.blocks = torch.nn.ModuleList([block, copy.deepcopy(block)])  # a trunk has two blocks or more
+    apply_recompute(holder, policy, every_n=1, split_backward=split_backward)
+    return block, lambda: apply_recompute(holder, "none")
+
+
+def _chunk_passes(block: Any, x: Tensor, args: tuple, kwargs: dict, policy: str, repeats: int) -> dict[str, Any]:
+    """F, B, I and W of ``block`` under ``policy``: medians of ``repeats`` after a warm-up; kept bytes."""
+    forward = lambda leaf: unwrap_output(block(leaf, *args, **kwargs), block)  # noqa: E731
+    runs: dict[str, list[float]] = {"forward": [], "backward": [], "input_grad": [], "weight_grad": []}
+    out: dict[str, Any] = {}
+    _, unwrap = _wrapped(block, policy, split_backward=False)
+    try:
+        for r in range(repeats + 1):
+            leaf = x.detach().requires_grad_(True)
+            tf, y = _timed(lambda leaf=leaf: forward(leaf))
+            grad = torch.randn_like(y)
+            tb, _ = _timed(lambda y=y, grad=grad: torch.autograd.backward(y, grad))
+            if r:
+                runs["forward"].append(tf)
+                runs["backward"].append(tb)
+        leaf = x.detach().requires_grad_(True)
+        out["kept"], _ = kept_for_backward(lambda: forward(leaf))
+    finally:
+        unwrap()
+    _, unwrap = _wrapped(block, policy, split_backward=True)
+    try:
+        for r in range(repeats + 1):
+            leaf = x.detach().requires_grad_(True)
+            y = forward(leaf)
+            grad = torch.randn_like(y)
+            ti, (_, work) = _timed(lambda y=y, grad=grad, leaf=leaf: backward_input([y], [grad], [leaf]))
+            out["split_bytes"] = sum(g.numel() * g.element_size() for group in work.groups
+                                     for grads in group["grads"] if grads for g in grads if g is not None)  # fmt: skip
+            tw, _ = _timed(work.run)
+            if r:
+                runs["input_grad"].append(ti)
+                runs["weight_grad"].append(tw)
+    finally:
+        unwrap()
+    block.zero_grad(set_to_none=True)
+    return {**{k: _median(v) for k, v in runs.items()}, **out}
+
+
+def _helix_passes(split: Split, block: Any, x: Tensor, args: tuple, kwargs: dict, repeats: int) -> dict[str, Any]:
+    """The helix runtime's calls of one layer's parts, each on its own graph from detached inputs."""
+
+    def leaves(tensors: list[Tensor]) -> list[Tensor]:
+        return [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+
+    def backward(outputs: list[Tensor], grads: list[Tensor]) -> None:
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    runs: dict[str, list[float]] = {k: [] for k in HELIX_PARTS}
+    sizes: tuple[int, int] = (0, 0)
+    packs: list[tuple[float, float]] = []
+    for r in range(repeats + 1):
+        (leaf,) = leaves([x])
+        t_pre, ((q, k, v), state) = _timed(lambda leaf=leaf: split.pre(block, leaf, args, kwargs))
+        qkv = [q, k, v, *state]
+        ql, kl, vl = leaves([q, k, v])
+        t_att, out = _timed(lambda ql=ql, kl=kl, vl=vl: split.attention(block, ql, kl, vl, args, kwargs))
+        outl, *statel = leaves([out, *state])
+        t_post, y = _timed(lambda outl=outl, statel=statel: split.post(block, outl, tuple(statel), args, kwargs))
+        y = y if isinstance(y, Tensor) else y[0]
+        t_post_g, _ = _timed(lambda y=y: backward([y], [torch.randn_like(y)]))
+        grad_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (outl, *statel)]
+        t_att_g, _ = _timed(lambda out=out, g=grad_out[0]: backward([out], [g]))
+        grad_qkv = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (ql, kl, vl)] + grad_out[1:]
+        t_pre_g, _ = _timed(lambda qkv=qkv, g=grad_qkv: backward(qkv, g))
+        t_pack_qkv, _ = _timed(lambda qkv=qkv: _collectives.pack(qkv))
+        t_pack_out, _ = _timed(lambda out=out, state=state: _collectives.pack([out, *state]))
+        sizes = (
+            sum(t.numel() * t.element_size() for t in qkv),
+            sum(t.numel() * t.element_size() for t in (out, *state)),
+        )
+        if r:
+            for name, t in zip(HELIX_PARTS, (t_pre, t_att, t_post, t_pre_g, t_att_g, t_post_g)):
+                runs[name].append(t)
+            packs.append((t_pack_qkv, t_pack_out))
+    (leaf,) = leaves([x])
+    pre_kept, ((q, k, v), state) = kept_for_backward(lambda: split.pre(block, leaf, args, kwargs))
+    ql, kl, vl = leaves([q, k, v])
+    attention_kept, out = kept_for_backward(lambda: split.attention(block, ql, kl, vl, args, kwargs))
+    outl, *statel = leaves([out, *state])
+    post_kept, _ = kept_for_backward(lambda: split.post(block, outl, tuple(statel), args, kwargs))
+    block.zero_grad(set_to_none=True)
+    return {"parts": {k: _median(v) for k, v in runs.items()}, "bytes": sizes,
+            "pack": tuple(_median(list(column)) for column in zip(*packs)),
+            "kept": (pre_kept, attention_kept, post_kept)}  # fmt: skip
+
+
+def _sample(lm: Any, trunk: Trunk, batch: Any, seq_len: int, repeats: int, split: Split | None) -> Sample:
     cropped = crop(batch, seq_len)
     cap, like = _capture(trunk, lambda: lm.training_step(cropped, 0))
     x, (args, kwargs) = cap.trunk_input.detach(), cap.block_args[0]
     block = trunk.blocks[0]
-    runs = [_block_pass(block, x, args, kwargs) for _ in range(repeats + 1)][1:]  # the first warms up
-    med = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    forward = {k: med([r[0][k] for r in runs]) for k in runs[0][0]}
-    backward = {k: med([r[1][k] for r in runs]) for k in runs[0][1]}
-    weight = med([r[2] for r in runs])
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        _capture(trunk, lambda: lm.training_step(cropped, 0))
-    capture_seconds = (time.perf_counter() - t0) / repeats
-    kept, recompute = {}, {}
-    for policy in POLICIES:
-        if policy == "every_n":
-            continue
-        holder = torch.nn.Module()
-        holder.blocks = torch.nn.ModuleList([block, copy.deepcopy(block)])  # a trunk has two blocks or more
-        apply_recompute(holder, policy, every_n=1)
-        try:
-            leaf = x.detach().requires_grad_(True)
-            kept[policy], out = kept_for_backward(functools.partial(_forward, block, leaf, args, kwargs))
-            t0 = time.perf_counter()
-            out.backward(torch.ones_like(out))
-            recompute[policy] = max(0.0, time.perf_counter() - t0 - sum(backward.values()) - weight)
-        finally:
-            apply_recompute(holder, "none")
-        block.zero_grad(set_to_none=True)
+    chunk = {policy: _chunk_passes(block, x, args, kwargs, policy, repeats) for policy in PLANNED_POLICIES}
+    helix = _helix_passes(split, block, x, args, kwargs, repeats) if split is not None else None
+    captures = [_timed(lambda: _capture(trunk, lambda: lm.training_step(cropped, 0)))[0] for _ in range(repeats)]
+    capture_kept, _ = kept_for_backward(lambda: _capture(trunk, lambda: lm.training_step(cropped, 0)))
     y = x.detach().requires_grad_(True)
-    t0 = time.perf_counter()
-    loss = loss_of(substitute(trunk, lambda: lm.training_step(cropped, 0), y if like is None else (y, *like[1:])))
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
+    trunk_output = y if like is None else (y, *like[1:])
+
+    def head() -> Tensor:
+        return loss_of(substitute(trunk, lambda: lm.training_step(cropped, 0), trunk_output))
+
+    head_forward, loss = _timed(head)
+    head_backward, _ = _timed(loss.backward)
+    head_kept, loss = kept_for_backward(head)
+    del loss
     lm.zero_grad(set_to_none=True)
-    return Sample(seq_len, forward, backward, weight, kept, recompute, t1 - t0, t2 - t1, x.numel() * x.element_size(),
-                  x.element_size(), runs[0][3], capture_seconds)  # fmt: skip
+    per = lambda key: {p: chunk[p][key] for p in PLANNED_POLICIES}  # noqa: E731
+    return Sample(
+        seq_len=seq_len,
+        forward=per("forward"),
+        backward=per("backward"),
+        input_grad=per("input_grad"),
+        weight_grad=per("weight_grad"),
+        kept=per("kept"),
+        split_bytes=chunk["none"]["split_bytes"],
+        helix=helix["parts"] if helix else None,
+        helix_bytes=helix["bytes"] if helix else (0, 0),
+        helix_kept=helix["kept"] if helix else (0, 0, 0),
+        helix_pack=helix["pack"] if helix else (0.0, 0.0),
+        head_forward=head_forward,
+        head_backward=head_backward,
+        head_kept=head_kept,
+        capture_kept=capture_kept,
+        message=x.numel() * x.element_size(),
+        dtype_bytes=x.element_size(),
+        capture=_median(captures),
+    )
+
+
+def _split(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> tuple[Split | None, str]:
+    """Block 0's HelixPipe split, verified as ``HelixParallelStrategy`` verifies it, or why there is none."""
+    cropped = crop(batch, seq_len)
+    cap, _ = _capture(trunk, lambda: lm.training_step(cropped, 0))
+    try:
+        _, split = verified_split(
+            trunk.blocks[0], (cap.trunk_input.detach(), *cap.block_args[0]), BlockConfig(split=True)
+        )
+    except AnatomyError as err:
+        return None, str(err)
+    return split, ""
 
 
 def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repeats: int = 3) -> BlockCosts:
@@ -231,31 +345,73 @@ def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repe
     batch = tree_map(lambda t: t[:micro_batch] if isinstance(t, Tensor) and t.dim() >= 1 else t, batch)
     trunk = discover_trunk(lm)
     lm.train()
-    samples = [_sample(lm, trunk, batch, t, repeats) for t in sorted(seq_lens)]
+    lens = sorted(seq_lens)
+    split, refused = _split(lm, trunk, batch, lens[0])
+    samples = [_sample(lm, trunk, batch, t, repeats, split) for t in lens]
+    in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
+    return _fitted(
+        samples,
+        num_blocks=len(trunk),
+        block_parameter_bytes=sum(p.numel() * p.element_size() for p in trunk.blocks[0].parameters()),
+        outer_parameter_bytes=sum(p.numel() * p.element_size() for p in lm.parameters() if id(p) not in in_blocks),
+        helix_refused=refused,
+        micro_batch=micro_batch,
+    )
+
+
+def combine(runs: list[BlockCosts]) -> BlockCosts:
+    """Profiles of one model taken at different times or on different processes, as one: every measurement
+    the median over the runs, fitted again (on a machine whose speed drifts, profile rounds interleaved with
+    the runs they predict)."""
+    first = runs[0]
+    samples = [_median_sample([run.samples[i] for run in runs]) for i in range(len(first.samples))]
+    return _fitted(samples, num_blocks=first.num_blocks, block_parameter_bytes=first.block_parameter_bytes,
+                   outer_parameter_bytes=first.outer_parameter_bytes, helix_refused=first.helix_refused,
+                   micro_batch=first.micro_batch)  # fmt: skip
+
+
+def _median_sample(samples: list[Sample]) -> Sample:
+    def median(values: list[Any]) -> Any:
+        if values[0] is None:
+            return None
+        if isinstance(values[0], dict):
+            return {k: _median([v[k] for v in values]) for k in values[0]}
+        if isinstance(values[0], tuple):
+            return tuple(_median(list(column)) for column in zip(*values))
+        return _median(values)
+
+    return Sample(**{f.name: median([getattr(s, f.name) for s in samples]) for f in fields(Sample)})
+
+
+def _fitted(samples: list[Sample], **static: Any) -> BlockCosts:
     xs = [s.seq_len for s in samples]
     linear = lambda key: fit(xs, [key(s) for s in samples], 1)  # noqa: E731
-    block_bytes = sum(p.numel() * p.element_size() for p in trunk.blocks[0].parameters())
-    in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
-    outer = sum(p.numel() * p.element_size() for p in lm.parameters() if id(p) not in in_blocks)
+    quadratic = lambda key: fit(xs, [key(s) for s in samples], 2)  # noqa: E731
+    per = lambda name, make: {p: make(lambda s, p=p: getattr(s, name)[p]) for p in PLANNED_POLICIES}  # noqa: E731
+    helix = None
+    if samples[0].helix is not None:
+        part = lambda name: (quadratic if "attention" in name else linear)(lambda s: s.helix[name])  # noqa: E731
+        helix = HelixCosts(
+            *(part(name) for name in HELIX_PARTS),
+            *(linear(lambda s, i=i: s.helix_bytes[i]) for i in range(2)),
+            *(linear(lambda s, i=i: s.helix_kept[i]) for i in range(3)),
+        )
     return BlockCosts(
-        num_blocks=len(trunk),
         hidden_bytes=linear(lambda s: s.message),
-        pre=linear(lambda s: s.forward["pre"]),
-        attention=fit(xs, [s.forward["attention"] for s in samples], 2),
-        post=linear(lambda s: s.forward["post"]),
-        pre_grad=linear(lambda s: s.input_grad["pre"]),
-        attention_grad=fit(xs, [s.input_grad["attention"] for s in samples], 2),
-        post_grad=linear(lambda s: s.input_grad["post"]),
-        weight_grad=linear(lambda s: s.weight_grad),
-        kept={p: linear(lambda s, p=p: s.kept[p]) for p in samples[0].kept},
-        recompute={p: linear(lambda s, p=p: s.recompute[p]) for p in samples[0].recompute},
+        forward=per("forward", quadratic),
+        backward=per("backward", quadratic),
+        input_grad=per("input_grad", quadratic),
+        weight_grad=per("weight_grad", linear),
+        kept=per("kept", linear),
+        split_bytes=linear(lambda s: s.split_bytes),
+        helix=helix,
         head_forward=linear(lambda s: s.head_forward),
         head_backward=linear(lambda s: s.head_backward),
-        split_bytes=linear(lambda s: s.split_bytes),
+        head_kept=linear(lambda s: s.head_kept),
         capture=linear(lambda s: s.capture),
-        block_parameter_bytes=block_bytes,
-        outer_parameter_bytes=outer,
+        capture_kept=linear(lambda s: s.capture_kept),
         dtype_bytes=samples[0].dtype_bytes,
-        micro_batch=micro_batch,
+        pack=fit([n for s in samples for n in s.helix_bytes], [t for s in samples for t in s.helix_pack], 1),
         samples=samples,
+        **static,
     )
