@@ -34,8 +34,10 @@ def table(predictions: list[Prediction], top: int = 20) -> str:
 def strategy_config(layout: Layout) -> dict[str, Any]:
     """The ``trainer.strategy`` entry (class_path, init_args) that runs ``layout``."""
     if layout.schedule == "helix":
+        # mlp_chunks: the profile measures the block's parts as they are, MLP unchunked
         args: dict[str, Any] = {"pipeline_parallel_size": layout.pp, "folds": layout.folds,
-                                "num_microbatches": layout.microbatches, "recompute": layout.recompute}  # fmt: skip
+                                "num_microbatches": layout.microbatches, "recompute": layout.recompute,
+                                "mlp_chunks": 1}  # fmt: skip
         cls = "HelixParallelStrategy"
     elif layout.pp > 1:
         args = {"pipeline_parallel_size": layout.pp, "schedule": layout.schedule,

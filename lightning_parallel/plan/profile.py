@@ -185,12 +185,12 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def _wrapped(block: Any, policy: str, split_backward: bool) -> tuple[Any, Callable[[], None]]:
-    """``block`` run under ``policy`` as the strategies wrap trunk blocks, and how to unwrap it."""
+def _wrap(block: Any, policy: str, split_backward: bool) -> Callable[[], None]:
+    """Run ``block`` under ``policy`` as the strategies wrap trunk blocks; returns how to unwrap it."""
     holder = torch.nn.Module()
     holder.blocks = torch.nn.ModuleList([block, copy.deepcopy(block)])  # a trunk has two blocks or more
     apply_recompute(holder, policy, every_n=1, split_backward=split_backward)
-    return block, lambda: apply_recompute(holder, "none")
+    return lambda: apply_recompute(holder, "none")
 
 
 def _chunk_passes(block: Any, x: Tensor, args: tuple, kwargs: dict, policy: str, repeats: int) -> dict[str, Any]:
@@ -198,7 +198,7 @@ def _chunk_passes(block: Any, x: Tensor, args: tuple, kwargs: dict, policy: str,
     forward = lambda leaf: unwrap_output(block(leaf, *args, **kwargs), block)  # noqa: E731
     runs: dict[str, list[float]] = {"forward": [], "backward": [], "input_grad": [], "weight_grad": []}
     out: dict[str, Any] = {}
-    _, unwrap = _wrapped(block, policy, split_backward=False)
+    unwrap = _wrap(block, policy, split_backward=False)
     try:
         for r in range(repeats + 1):
             leaf = x.detach().requires_grad_(True)
@@ -212,7 +212,7 @@ def _chunk_passes(block: Any, x: Tensor, args: tuple, kwargs: dict, policy: str,
         out["kept"], _ = kept_for_backward(lambda: forward(leaf))
     finally:
         unwrap()
-    _, unwrap = _wrapped(block, policy, split_backward=True)
+    unwrap = _wrap(block, policy, split_backward=True)
     try:
         for r in range(repeats + 1):
             leaf = x.detach().requires_grad_(True)
