@@ -10,7 +10,7 @@ MPICH"). Presets:
 - ``cpu``: gloo on loopback between two processes, 1.5 GB/s and 60 us, a figure for the 2-core machine
   (``benchmarks/planner.py`` measures the link itself with ``measure_link``; docs/benchmarks.md has its runs).
 
-``published_costs`` builds :class:`~lightning_parallel.plan.profile.BlockCosts` from FLOP counts of a
+``published_costs`` builds :class:`~lightning_parallel.plan.costs.BlockCosts` from FLOP counts of a
 Llama-style block (Narayanan et al., SC'21, appendix: 24 B T H^2 GEMM FLOPs per layer forward for the
 QKV, output and a 4H MLP; attention 4 B T^2 H) divided by a sustained rate: the GPU's dense BF16 peak
 times a model FLOPs utilisation (MFU, an assumption: 0.5 by default). H20: 148 TFLOP/s dense BF16, 96 GB
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_parallel import _collectives
-from lightning_parallel.plan.profile import BlockCosts, Fit, HelixCosts
+from lightning_parallel.plan.costs import BlockCosts, Fit, HelixCosts
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ from lightning_parallel.pipeline.schedules import (
     placement_style,
     simulate,
 )
+from lightning_parallel.plan.costs import BlockCosts
 from lightning_parallel.plan.hardware import Link
-from lightning_parallel.plan.profile import BlockCosts
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "helix")
 OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd_momentum": 1.0}  # state bytes per parameter byte

@@ -106,7 +106,7 @@ def test_command_line_writes_a_plan_that_trains(tmp_path):
 
 
 def test_fit_keeps_every_coefficient_non_negative():
-    from lightning_parallel.plan.profile import fit
+    from lightning_parallel.plan.costs import fit
 
     concave = fit([256, 512, 1024], [1.0, 1.8, 3.0], 2)  # a least-squares quadratic would bend down
     assert all(c >= 0 for c in concave.coef) and len(concave.coef) == 2  # the quadratic term dropped
