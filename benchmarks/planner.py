@@ -12,11 +12,12 @@ same rounds as the runs it predicts: at the start of each round both ranks profi
 are busy in a run), and the prediction uses every measurement's median over the rounds and the two
 ranks (``plan.combine``). Printed: predicted and measured step time and their error, predicted
 and measured peak live MiB per stage (what a ``LiveTensorTracker`` opened at the step's start sees:
-gradients and activations), predicted and measured busy seconds per stage (computing or transferring:
-the cost model, apart from the schedule's waits), and both rankings. Rounds vary by a few per cent on this
-machine, about as much as the chunked schedules differ, so a ranking is compared on the pairs of schedules
-that the rounds themselves order: a sign test over the paired rounds (each round runs every schedule back
-to back), two-sided, below ``--alpha``.
+gradients and activations), predicted busy seconds per stage (computing or transferring: the cost model,
+apart from the schedule's waits) and those of the last timed round, and both rankings. A schedule's rounds
+spread by more than the chunked schedules differ, so a ranking is compared on the pairs of schedules that
+the rounds themselves order: a sign test over the paired rounds (each round runs every schedule back to
+back), two-sided, below ``--alpha`` (not corrected for the 21 pairs tested per T: about one pair in twenty
+passes by chance). ``--allocator default`` leaves glibc as it is (``keep_freed_memory``).
 """
 
 from __future__ import annotations

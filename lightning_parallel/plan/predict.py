@@ -183,7 +183,7 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
         """What chunk ``a.chunk``'s forward keeps for its backward: its blocks' saved tensors, a received
         input (a new buffer), the head's on the last chunk."""
         ch = a.chunk
-        return sizes[ch] * kept + remote(ch, ch - 1) * hb / shard + (ch == last) * head_kept
+        return sizes[ch] * kept + remote(ch, ch - 1) * hb / layout.sp + (ch == last) * head_kept
 
     def chunk_held(a: Action) -> float:
         # I recomputes what the policy did not keep and holds it, with the gradients at the weights, until W
