@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_parallel import _collectives
-from lightning_parallel.plan.costs import BlockCosts, Fit, HelixCosts
+from lightning_parallel.plan.costs import BlockCosts, Fit, HelixCosts, fit
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,19 @@ class Link:
         return 0.0 if ranks <= 1 else (ranks - 1) * self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
 
 
-def measure_link(peer: int, group: Any = None, sizes: tuple[int, int] = (256, 1 << 22), repeats: int = 10) -> Link:
+def measure_link(
+    peer: int, group: Any = None, sizes: tuple[int, ...] = (256, 1 << 20, 1 << 22), repeats: int = 10
+) -> Link:
     """The gloo link to ``peer`` (a global rank) as a pipeline's consumer meets it: how long a receive of a
-    small and of a large message blocks once the send was posted (``_collectives.receive_time``); the
-    latency from the small one, the bandwidth from the difference. Both ranks call it, each naming the other."""
-    (small, large) = sizes
-    t_small, t_large = (_collectives.receive_time(peer, n, repeats, group) for n in sizes)
-    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-    return Link(bandwidth, max(t_small - small / bandwidth, 0.0), rendezvous=True)
+    message of each size blocks once the send was posted (``_collectives.receive_time``), fitted as
+    ``latency + bytes / bandwidth`` with non-negative coefficients (two sizes alone can come out in the wrong
+    order on a noisy machine). Where the fit finds no per-byte cost, the largest message's whole time is
+    taken as bandwidth. Both ranks call it, each naming the other."""
+    times = [_collectives.receive_time(peer, n, repeats, group) for n in sizes]
+    latency, per_byte = (fit(list(sizes), times, 1).coef + [0.0])[:2]
+    if per_byte <= 0:
+        return Link(max(sizes) / max(times), 0.0, rendezvous=True)
+    return Link(1.0 / per_byte, latency, rendezvous=True)
 
 
 LINKS = {

@@ -142,3 +142,17 @@ def test_measure_link_times_the_runtimes_messages_between_two_ranks():
 
     for bandwidth, latency, rendezvous in run_distributed(_link, 2):
         assert 1e7 < bandwidth < 1e12 and 0.0 <= latency < 0.1 and rendezvous
+
+
+def test_measure_link_fits_every_size_and_never_returns_an_absurd_bandwidth(monkeypatch):
+    from lightning_parallel import _collectives
+    from lightning_parallel.plan.hardware import measure_link
+
+    linear = {256: 4e-4 + 256 / 2e9, 1 << 20: 4e-4 + (1 << 20) / 2e9, 1 << 22: 4e-4 + (1 << 22) / 2e9}
+    monkeypatch.setattr(_collectives, "receive_time", lambda peer, n, repeats, group: linear[n])
+    link = measure_link(1)
+    assert link.bandwidth == pytest.approx(2e9) and link.latency == pytest.approx(4e-4)
+    noisy = {256: 3e-3, 1 << 20: 2e-3, 1 << 22: 2.5e-3}  # the large message faster than the small one
+    monkeypatch.setattr(_collectives, "receive_time", lambda peer, n, repeats, group: noisy[n])
+    link = measure_link(1)
+    assert link.bandwidth == pytest.approx((1 << 22) / 3e-3) and link.latency == 0.0
