@@ -82,7 +82,7 @@ def measure_link(
 LINKS = {
     "nvlink": Link(450e9, 3e-6),
     "infiniband": Link(50e9, 5e-6),
-    "cpu": Link(2.5e9, 450e-6, rendezvous=True),
+    "cpu": Link(2.4e9, 400e-6, rendezvous=True),
 }
 
 
