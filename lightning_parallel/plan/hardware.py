@@ -7,8 +7,9 @@ MPICH"). Presets:
 
 - ``nvlink``: 450 GB/s one way per GPU (NVLink 4, 900 GB/s bidirectional, NVIDIA H100/H20 datasheets), 3 us;
 - ``infiniband``: 50 GB/s (one 400 Gb/s NDR port per GPU), 5 us;
-- ``cpu``: gloo on loopback between two processes, 1.5 GB/s and 60 us, a figure for the 2-core machine
-  (``benchmarks/planner.py`` measures the link itself with ``measure_link``; docs/benchmarks.md has its runs).
+- ``cpu``: gloo on loopback between two processes of the project's 2-core machine, 2.4 GB/s and 400 us
+  as ``measure_link`` measured it there (2.2-2.8 GB/s, 380-500 us in six calls); a transfer is charged to
+  the receiving action and the sender's cores (``rendezvous``). ``benchmarks/planner.py`` measures its own.
 
 ``published_costs`` builds :class:`~lightning_parallel.plan.costs.BlockCosts` from FLOP counts of a
 Llama-style block (Narayanan et al., SC'21, appendix: 24 B T H^2 GEMM FLOPs per layer forward for the
