@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import GPT  # noqa: E402
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy  # noqa: E402
 from lightning_parallel.blocks import BlockConfig  # noqa: E402
-from lightning_parallel.callbacks.timeline import analyze, mean_costs  # noqa: E402
+from lightning_parallel.callbacks.timeline import analyze, mean_costs, split_receive  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # noqa: E402
@@ -266,6 +266,7 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace, before_ro
     configs = {name: build(name, seq_len, m, rank) for name in CONFIGS[args.configs]}
     times: dict[str, list[float]] = {k: [] for k in configs}
     extra: dict[str, dict] = {}
+    kinds: dict[str, list[dict[str, float]]] = {k: [] for k in configs}
     for rep in range(args.reps + 1):  # round 0 is the warm-up
         if before_round is not None:
             dist.barrier()
@@ -278,6 +279,8 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace, before_ro
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 extra[name] = info
+                if "events" in info:  # per round: seconds per action kind on this stage, and outside actions
+                    kinds[name].append(kind_seconds(info["events"], times[name][-1]))
     for name, info in extra.items():  # the bubble of the last timed step, as BubbleProfiler measures it
         if "events" in info:
             everyone: list = [None, None]
@@ -294,7 +297,23 @@ def measure(rank: int, seq_len: int, m: int, args: argparse.Namespace, before_ro
         dist.barrier()
     for name in configs:
         extra[name]["rounds"] = times[name]  # seconds per timed round, in round order
+        if kinds[name]:
+            extra[name]["kinds"] = {k: statistics.median(r[k] for r in kinds[name]) for k in kinds[name][0]}
     return [(seq_len, m, name, statistics.median(times[name]), extra[name]) for name in configs]
+
+
+def kind_seconds(events: list, step: float) -> dict[str, float]:
+    """Seconds this stage spent per action kind (blocked receives apart: ``wait`` before the producer sent,
+    ``transfer`` after, over ``receives`` remote receives) and outside its actions (``other``: the step's time
+    less the actions' spans)."""
+    out: dict[str, float] = {"wait": 0.0, "transfer": 0.0, "receives": 0.0}
+    for e in events:
+        wait, transfer = split_receive(e)
+        out["wait"], out["transfer"] = out["wait"] + wait, out["transfer"] + transfer
+        out["receives"] += e.recv_start is not None
+        out[e.kind] = out.get(e.kind, 0.0) + e.end - e.start - e.blocked
+    out["other"] = step - sum(e.end - e.start for e in events)
+    return out
 
 
 def theory(name: str, m: int, everyone: list, rank: int, cfg: Any) -> float:
