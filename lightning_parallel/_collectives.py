@@ -260,20 +260,34 @@ def gather_object_to_zero(obj: object) -> list | None:
     return parts
 
 
-def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | None = None) -> float:
+def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | None = None, busy: float = 0.02) -> float:
     """The median seconds a receive of a message of ``nbytes`` blocks when its send was posted first, the
     message sent as the pipeline runtimes send one (``isend_with_header``: a header, then the payload into a
-    freshly allocated buffer). This rank and ``peer`` (global ranks; both call it, each naming the other)
-    take turns sending; each returns what it measured as the receiver."""
+    freshly allocated buffer), and both processes compute meanwhile as a pipeline's stages do: the sender
+    goes on to ``busy`` seconds of matrix products once its send is posted (its next action), the receiver
+    computes 2 ms before it receives. On a machine whose cores the processes share (gloo on CPU) the
+    transfer then competes with that compute, as it does in a run (idle processes measured twice the
+    bandwidth here, which no run met: docs/benchmarks.md, Planner). This rank and ``peer`` (global ranks;
+    both call it, each naming the other) take turns sending; each returns what it measured as the
+    receiver."""
     buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+    operand = torch.randn(128, 128)
     me, times = dist.get_rank(), []
+
+    def compute(seconds: float) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            operand @ operand
+
     for tag in range(2 * repeats):
         dist.barrier(group)
         if (tag % 2 == 0) == (me < peer):
-            for work, _ in isend_with_header(buf, peer, tag, group):  # type: ignore[arg-type]
+            works = [work for work, _ in isend_with_header(buf, peer, tag, group)]  # type: ignore[arg-type]
+            compute(busy)
+            for work in works:
                 work.wait()
         else:
-            time.sleep(0.002)  # the send is posted first, as when a pipeline's producer runs ahead
+            compute(0.002)  # the send is posted first, as when a pipeline's producer runs ahead
             t0 = time.perf_counter()
             recv_with_header(peer, tag, group, buf.device)  # type: ignore[arg-type]
             times.append(time.perf_counter() - t0)

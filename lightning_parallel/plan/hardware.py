@@ -7,9 +7,12 @@ MPICH"). Presets:
 
 - ``nvlink``: 450 GB/s one way per GPU (NVLink 4, 900 GB/s bidirectional, NVIDIA H100/H20 datasheets), 3 us;
 - ``infiniband``: 50 GB/s (one 400 Gb/s NDR port per GPU), 5 us;
-- ``cpu``: gloo on loopback between two processes of the project's 2-core machine, 2.4 GB/s and 400 us
-  as ``measure_link`` measured it there (2.2-2.8 GB/s, 380-500 us in six calls); a transfer is charged to
-  the receiving action and the sender's cores (``rendezvous``). ``benchmarks/planner.py`` measures its own.
+- ``cpu``: gloo on loopback between two processes of the project's 2-core machine, 1.1 GB/s and 650 us
+  as ``measure_link`` measured it there with both processes computing (medians of 9 rounds in
+  ``benchmarks/planner.py``'s run of 2026-12-02, three sequence lengths: 0.92-1.25 GB/s, 640-1580 us;
+  between idle processes the same receives measure 2.2-2.8 GB/s and 380-500 us, which no run meets); a
+  transfer is charged to the receiving action and the sender's cores (``rendezvous``).
+  ``benchmarks/planner.py`` measures its own.
 
 ``published_costs`` builds :class:`~lightning_parallel.plan.costs.BlockCosts` from FLOP counts of a
 Llama-style block (Narayanan et al., SC'21, appendix: 24 B T H^2 GEMM FLOPs per layer forward for the
@@ -22,6 +25,7 @@ backward 2.5x its forward (five matmuls against the forward's two: Dao, 2023, "F
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,12 +73,18 @@ def measure_link(
     peer: int, group: Any = None, sizes: tuple[int, ...] = (256, 1 << 20, 1 << 22), repeats: int = 10
 ) -> Link:
     """The gloo link to ``peer`` (a global rank) as a pipeline's consumer meets it: how long a receive of a
-    message of each size blocks once the send was posted (``_collectives.receive_time``), fitted as
-    ``latency + bytes / bandwidth`` with non-negative coefficients (two sizes alone can come out in the wrong
-    order on a noisy machine). Where the fit finds no per-byte cost, the largest message's whole time is
-    taken as bandwidth. Both ranks call it, each naming the other."""
-    times = [_collectives.receive_time(peer, n, repeats, group) for n in sizes]
-    latency, per_byte = (fit(list(sizes), times, 1).coef + [0.0])[:2]
+    message of each size blocks once the send was posted, both processes computing
+    (``_collectives.receive_time``), fitted by :func:`link_from_times`. Both ranks call it, each naming the
+    other."""
+    return link_from_times(sizes, [_collectives.receive_time(peer, n, repeats, group) for n in sizes])
+
+
+def link_from_times(sizes: Sequence[int], times: Sequence[float]) -> Link:
+    """``latency + bytes / bandwidth`` fitted to receive times of messages of ``sizes`` bytes with non-negative
+    coefficients (two sizes alone can come out in the wrong order on a noisy machine). Where the fit finds no
+    per-byte cost, the slowest receive's whole time is taken as the largest message's: never an absurd
+    bandwidth."""
+    latency, per_byte = (fit(list(sizes), list(times), 1).coef + [0.0])[:2]
     if per_byte <= 0:
         return Link(max(sizes) / max(times), 0.0, rendezvous=True)
     return Link(1.0 / per_byte, latency, rendezvous=True)
@@ -83,7 +93,7 @@ def measure_link(
 LINKS = {
     "nvlink": Link(450e9, 3e-6),
     "infiniband": Link(50e9, 5e-6),
-    "cpu": Link(2.4e9, 400e-6, rendezvous=True),
+    "cpu": Link(1.1e9, 650e-6, rendezvous=True),
 }
 
 
