@@ -10,8 +10,8 @@ MPICH"). Presets:
 - ``cpu``: gloo on loopback between two processes of the project's 2-core machine, 1.1 GB/s and 650 us
   as ``measure_link`` measured it there with both processes computing (medians of 9 rounds in
   ``benchmarks/planner.py``'s run of 2026-12-02, three sequence lengths: 0.92-1.25 GB/s, 640-1580 us;
-  between idle processes the same receives measure 2.2-2.8 GB/s and 380-500 us, which no run meets); a
-  transfer is charged to the receiving action and the sender's cores (``rendezvous``).
+  between idle processes the same receives measured 2.2-2.8 GB/s and 380-500 us that morning, which a run
+  does not meet); a transfer is charged to the receiving action and the sender's cores (``rendezvous``).
   ``benchmarks/planner.py`` measures its own.
 
 ``published_costs`` builds :class:`~lightning_parallel.plan.costs.BlockCosts` from FLOP counts of a
