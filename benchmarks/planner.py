@@ -44,7 +44,7 @@ import pipeline as bench  # noqa: E402  (benchmarks/pipeline.py: the model, the 
 
 from lightning_parallel import _collectives  # noqa: E402
 from lightning_parallel.plan import Layout, Problem, combine, predict, profile  # noqa: E402
-from lightning_parallel.plan.hardware import link_from_times  # noqa: E402
+from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times  # noqa: E402
 
 SCHEDULES = {  # benchmark row -> the planner's layout (pp=2, no recomputation)
     "ours gpipe": ("gpipe", 1),
@@ -63,9 +63,6 @@ class _Profiled(bench.GPT):
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         return self._loss(batch)
-
-
-LINK_SIZES = (256, 1 << 20, 1 << 22)
 
 
 def _profile_round(profiles: list, links: list, model: _Profiled, data: tuple, lens: list[int], rep: int) -> None:

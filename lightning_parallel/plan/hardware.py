@@ -69,9 +69,10 @@ class Link:
         return 0.0 if ranks <= 1 else (ranks - 1) * self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
 
 
-def measure_link(
-    peer: int, group: Any = None, sizes: tuple[int, ...] = (256, 1 << 20, 1 << 22), repeats: int = 10
-) -> Link:
+LINK_SIZES = (256, 1 << 20, 1 << 22)  # bytes of the messages ``measure_link`` times
+
+
+def measure_link(peer: int, group: Any = None, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 10) -> Link:
     """The gloo link to ``peer`` (a global rank) as a pipeline's consumer meets it: how long a receive of a
     message of each size blocks once the send was posted, both processes computing
     (``_collectives.receive_time``), fitted by :func:`link_from_times`. Both ranks call it, each naming the
