@@ -2,7 +2,11 @@
 these families besides their anatomies):
 
 - Hugging Face models keep a KV cache when ``config.use_cache`` is on: in training it keeps every layer's
-  keys and values alive and passes a cache object between blocks; it is turned off.
+  keys and values alive and passes a cache object between blocks; it is turned off, under every strategy
+  (data parallelism too, so that every layout trains the same model). That changes one thing beyond memory:
+  transformers (5.x, ``masking_utils._preprocess_mask_arguments``) detects packed documents from
+  ``position_ids`` only when no cache is passed, so a packed batch attends within its documents here and,
+  with the cache on, across them on one device. :func:`packed_batch_note` says so when it meets one.
 - ``nn.TransformerEncoder`` may pack its input into nested tensors, which cannot cross stages or shards;
   it is turned off.
 - ``nn.MultiheadAttention`` (and ``nn.TransformerEncoderLayer``) take a C++ fast path in inference that skips
@@ -14,20 +18,45 @@ these families besides their anatomies):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 
-def prepare_model(model: nn.Module) -> None:
-    for module in model.modules():
+def prepare_model(model: nn.Module) -> list[str]:
+    """Prepare ``model`` (in place) for running its blocks one by one; returns the names of the modules whose
+    Hugging Face config had ``use_cache`` on (now off)."""
+    cached = []
+    for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", False):
             config.use_cache = False
+            cached.append(name or type(module).__name__)
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False
+    return cached
+
+
+def packed_batch_note(batch: Any, cached: list[str]) -> str | None:
+    """What to tell a user whose batch packs documents (``position_ids`` restarting, in a mapping batch, as
+    ``DataCollatorWithFlattening`` makes it) into a model whose cache :func:`prepare_model` turned off; else
+    ``None``."""
+    from lightning_parallel.packing import is_packed
+
+    position_ids = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if not cached or not isinstance(position_ids, torch.Tensor) or not is_packed(position_ids):
+        return None
+    return (
+        f"this batch packs several documents per row (position_ids restart at 0) and the config of"
+        f" {', '.join(cached)} had use_cache=True, which lightning-parallel turns off for training (a KV cache"
+        " cannot cross stages or shards). Without a cache, transformers builds a document mask from the"
+        " position_ids, so every token attends only within its document; with the cache on, as on one device,"
+        " transformers skips that detection and tokens attend across documents. Set use_cache=False in the"
+        " model's config to train the same model on one device."
+    )
 
 
 @contextmanager

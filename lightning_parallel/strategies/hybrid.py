@@ -37,7 +37,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,7 +48,7 @@ from typing_extensions import override
 from lightning_parallel import _collectives
 from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.base import ConfigurationError
-from lightning_parallel.anatomy.families import prepare_model
+from lightning_parallel.anatomy.families import packed_batch_note, prepare_model
 from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
 from lightning_parallel.materialize import check_set, materialize_
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
@@ -57,6 +57,7 @@ from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
 from lightning_parallel.strategies import _failures, _partial, _sharding
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._full_shard import check_full
+from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import Replaced, avoid_mixed_foreach, drop_parameters, replace_parameters
 from lightning_parallel.strategies._pending import PendingBlocksMixin, pending_blocks
@@ -71,6 +72,14 @@ log = logging.getLogger(__name__)
 
 #: the exit code of a job stopped by SIGTERM, on every strategy (128 + the signal's number, as a shell reports it)
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+def _blocks_of(module: LightningModule, path: Optional[str]) -> list[torch.nn.Module]:
+    """The trunk's blocks, or none where the module has no trunk (data parallelism needs none)."""
+    try:
+        return discover_trunk(module, path).blocks
+    except ValueError:
+        return []
 
 
 class HybridParallelStrategy(
@@ -127,6 +136,9 @@ class HybridParallelStrategy(
             shard per rank, resumable under any layout); ``False``: one plain Lightning ``.ckpt`` file written by
             rank 0 (what ``python -m lightning_parallel.export`` makes of a directory; loadable without this
             package).
+        loss_chunks: compute the LM head (every ``nn.Linear`` outside the trunk of the vocabulary's width) and the
+            step's ``F.cross_entropy`` of its logits over this many chunks of the tokens, never holding the whole
+            logits (1: off; :mod:`lightning_parallel.chunked_loss`; under tensor parallelism vocabulary-parallel).
     """
 
     strategy_name = "hybrid"
@@ -158,6 +170,7 @@ class HybridParallelStrategy(
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         data_parallel_sharding: Sharding = "none",
         save_distributed_checkpoint: bool = True,
+        loss_chunks: int = 1,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -225,6 +238,8 @@ class HybridParallelStrategy(
         self._sp_mode = sequence_parallel_mode
         self._tp_plan, self._adapter_arg, self._tp_sequence_parallel = tp_plan, adapter, tp_sequence_parallel
         self._blocks: Optional[BlockLayer] = None
+        self._cache_off: list[str] = []  # modules whose Hugging Face KV cache set-up turned off
+        self._heads = ChunkedHeads(loss_chunks)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
@@ -377,6 +392,8 @@ class HybridParallelStrategy(
         self._sync_module_states(self.model)
         self._fully_shard_built(lm)  # after the broadcast above: it would overwrite the shards
         self._shard_outer(lm)  # likewise (the pipeline strategies' parameters outside the trunk)
+        if self._heads.on:
+            self._heads.find(lm, self._blocks.trunk.blocks if self._blocks else _blocks_of(lm, self._trunk_path))
         for metric in MetricStepper(lm, False).metrics.values():
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
@@ -410,6 +427,7 @@ class HybridParallelStrategy(
         (:mod:`lightning_parallel.blocks`: tensor, sequence parallelism, chunked MLP, recomputation)."""
         _partial.unguard(lm)  # set up again after a fit: the module is whole to the strategy once more
         config = self._block_config()
+        self._cache_off += prepare_model(lm)  # every layout trains the same model (anatomy/families.py)
         if not (config.needs_anatomy or config.recompute != "none" or self._needs_trunk()):
             self.model_to_device()
             self._materialize(lm, [], None)
@@ -417,7 +435,6 @@ class HybridParallelStrategy(
         # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
         first = self._blocks is None
         trunk = self._blocks.trunk if self._blocks is not None else discover_trunk(lm, self._trunk_path)
-        prepare_model(lm)
         local, freed = self._place_stages(lm, trunk)
         if first:
             # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
@@ -565,8 +582,21 @@ class HybridParallelStrategy(
     # ---------------------------------------------------------------- training
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._explain_sharded_use():
+        with self._explain_sharded_use(), self._heads.active():
             return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._heads.active(training=False):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        note = packed_batch_note(batch, self._cache_off)
+        if note is not None:
+            rank_zero_warn(note)
+            self._cache_off = []  # said once
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def optimizer_step(
