@@ -185,6 +185,14 @@ def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
 
 
 @_timed
+def all_reduce_max_(tensor: Tensor, group: ProcessGroup) -> Tensor:
+    """In place: ``tensor`` becomes its element-wise maximum over ``group``; returns it."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+@_timed
 def reduce_scatter_sum(flat: Tensor, group: ProcessGroup) -> Tensor:
     """Rank r of ``group`` gets the sum over the group of segment r of ``flat`` (equal segments)."""
     size = dist.get_world_size(group)

@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.base import ConfigurationError
+from lightning_parallel.trunk import vocabulary_modules
 
 STYLES = ("colwise", "rowwise", "colwise_qkv")
 
@@ -299,37 +300,19 @@ def shard_vocabulary(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMes
     """Vocabulary parallelism outside the trunk (Megatron-LM's vocabulary-parallel embedding; Shoeybi et al.,
     arXiv 1909.08053, section 3): the token embedding and the LM head hold 1/tp of the vocabulary each.
 
-    The vocabulary is the row count of the token embedding: the largest ``nn.Embedding`` outside ``blocks``
-    with an ``nn.Linear`` head of that output width outside them (or the largest, where none has one). That embedding is
+    The vocabulary and its modules are :func:`lightning_parallel.trunk.vocabulary_modules`'s. The embedding is
     sharded row-wise (``RowwiseParallel``: each rank looks up the ids it holds, zeros elsewhere, one
     all-reduce); every ``nn.Linear`` outside ``blocks`` whose output width is the vocabulary is sharded
     column-wise with its logits all-gathered (``ColwiseParallel(output_layouts=Replicate())``), so the
-    user's loss sees whole logits and any loss works. A weight tied between the two stays one parameter
+    user's loss sees whole logits and any loss works (``loss_chunks=`` computes the loss from each rank's
+    columns instead, :mod:`lightning_parallel.chunked_loss`). A weight tied between the two stays one parameter
     (both shard dim 0 of the (vocabulary, hidden) matrix). Shards are uneven where tp does not divide the
     vocabulary. An embedding with ``padding_idx``, ``max_norm`` or sparse gradients stays whole (the row
     offsets of a shard would change what they mean), and so does every module tied to it. Returns the
     names of the sharded modules."""
-    inside = {id(m) for b in blocks for m in b.modules()}
-    outer = [(n, m) for n, m in module.named_modules() if id(m) not in inside]
-    embeddings = [m for _, m in outer if isinstance(m, nn.Embedding) and not m.weight.is_meta]
-    if not embeddings:
-        return []
-    heads = {m.out_features for _, m in outer if isinstance(m, nn.Linear)}
-    tokens = [m for m in embeddings if m.num_embeddings in heads] or embeddings  # with a head of its width, if any
-    vocab = max(m.num_embeddings for m in tokens)
+    vocab, chosen = vocabulary_modules(module, blocks)
     if vocab < mesh.size():
         return []
-    chosen = [
-        (n, m)
-        for n, m in outer
-        if not getattr(m, "weight", torch.empty(0, device="meta")).is_meta
-        and (
-            isinstance(m, nn.Embedding)
-            and m.num_embeddings == vocab
-            or isinstance(m, nn.Linear)
-            and m.out_features == vocab
-        )
-    ]
     holders: dict[int, list[nn.Module]] = {}  # parameter -> every module holding it (tied weights: several)
     for m in [*module.modules()]:
         for p in m.parameters(recurse=False):

@@ -84,6 +84,33 @@ def discover_trunk(module: nn.Module, trunk: str | None = None) -> Trunk:
     return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name)
 
 
+def vocabulary_modules(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, list[tuple[str, nn.Module]]]:
+    """The vocabulary and the modules outside ``blocks`` of its width: every ``nn.Embedding`` of that many rows
+    and every ``nn.Linear`` head of that output width, by name. The vocabulary is the row count of the token
+    embedding: the largest ``nn.Embedding`` outside ``blocks`` with an ``nn.Linear`` of that output width outside
+    them, or the largest where none has one (a character model's position table can be longer than its
+    vocabulary). ``(0, [])`` without an embedding."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    outer = [(n, m) for n, m in module.named_modules() if id(m) not in inside]
+    embeddings = [m for _, m in outer if isinstance(m, nn.Embedding) and not m.weight.is_meta]
+    if not embeddings:
+        return 0, []
+    heads = {m.out_features for _, m in outer if isinstance(m, nn.Linear)}
+    tokens = [m for m in embeddings if m.num_embeddings in heads] or embeddings  # with a head of its width, if any
+    vocab = max(m.num_embeddings for m in tokens)
+    return vocab, [
+        (n, m)
+        for n, m in outer
+        if not getattr(m, "weight", torch.empty(0, device="meta")).is_meta
+        and (
+            isinstance(m, nn.Embedding)
+            and m.num_embeddings == vocab
+            or isinstance(m, nn.Linear)
+            and m.out_features == vocab
+        )
+    ]
+
+
 def free_blocks(blocks: list[nn.Module]) -> None:
     """Move the parameters and buffers of ``blocks`` to ``meta``: the modules stay, the memory goes."""
     for block in blocks:

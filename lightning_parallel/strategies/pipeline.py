@@ -318,7 +318,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         self._metrics.before_step()
         freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
         with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
-            with self._explain_sharded_use():
+            with self._explain_sharded_use(), self._heads.active():
                 results = runtime.run(
                     self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], loss_of, weights
                 )
