@@ -122,7 +122,8 @@ class _SequenceParallel:
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         dim = self.anatomy.sequence_dim(block)
-        shard = SequenceShard.of(self.mesh, self.mode, x.shape[dim], x.device)
+        mask = self.anatomy.attention_mask(block, args, kwargs) if self.mode == "ring" else None
+        shard = SequenceShard.of(self.mesh, self.mode, x.shape[dim], x.device, mask)
         local_args, local_kwargs = self.anatomy.sequence_args(block, args, kwargs, shard.index)
         mine = shard.scatter(x, dim)
         if block.training and has_dropout(block):

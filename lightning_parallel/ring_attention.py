@@ -1,19 +1,26 @@
 """Ring attention (Liu et al., arXiv 2310.01889) with zig-zag chunks, as one custom op.
 
-Each rank holds the queries, keys and values of two of the 2·sp sequence chunks, r and 2sp-1-r (so every
-rank does the same causal work). Forward: sp steps; at each, every (q chunk, kv chunk) pair that is not
-entirely in the future runs the fused CPU flash-attention kernel, which returns the log-sum-exp, and the
-partial outputs are merged with it; k and v then move one rank along the ring. Backward: the same
-steps with the kernel's backward, given the *final* output and log-sum-exp (FlashAttention-2's
+Each rank holds the queries, keys and values of two of the 2·sp sequence chunks, ``chunks[2r]`` and
+``chunks[2r+1]`` (:func:`lightning_parallel.sequence_parallel.balanced_chunks`: r and 2sp-1-r for causal
+attention, so every rank does the same causal work; under a document mask the chunks whose queries have the
+most pairs to compute paired with those that have the fewest). Forward: sp steps; at each, every (q chunk,
+kv chunk) pair that is not entirely in the future runs the fused CPU flash-attention kernel, which returns
+the log-sum-exp, and the partial outputs are merged with it; k and v then move one rank along the ring.
+Backward: the same steps with the kernel's backward, given the *final* output and log-sum-exp (FlashAttention-2's
 recurrence, so each pair's gradient is exact); the k/v gradients travel with their k/v and arrive home
 after sp shifts.
 
-An explicit additive mask (in the original token order) is sliced per pair: rows of the q chunk, columns
-of the kv chunk (zig-zag chunks are contiguous ranges of the original sequence); no pair is skipped then.
+An explicit mask (boolean, ``True`` to attend, or additive; in the original token order, e.g. a packed batch's
+block-diagonal document mask) is sliced per pair: rows of the q chunk, columns of the kv chunk (zig-zag chunks
+are contiguous ranges of the original sequence), and made additive per pair, so nothing of the whole
+sequence's size is allocated. A pair with nothing to attend (its slice masks every score: a kv chunk in the
+q chunk's future, or of other documents only) is skipped, forward and backward alike; a pair on the
+diagonal (q and kv the same chunk) never is, so every query gets an output.
 
 Being one operator (``lightning_parallel::ring_attention``), activation recomputation keeps its output
-instead of running the ring again (``recompute.communication_ops``). ``WORK`` counts the unmasked
-attention scores each process computed (a load-balance measurement).
+instead of running the ring again (``recompute.communication_ops``). ``WORK`` counts the attention scores
+each process computed (a load-balance measurement; a masked pair computes all of its scores, a skipped
+pair none).
 """
 
 from __future__ import annotations
@@ -30,9 +37,9 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _pairs(rank: int, source: int, sp: int, causal: bool) -> list[tuple[int, int, bool]]:
+def _pairs(rank: int, source: int, chunks: list[int], causal: bool) -> list[tuple[int, int, bool]]:
     """(q half, kv half, diagonal) of the chunk pairs rank ``rank`` computes against ``source``'s k/v."""
-    q_chunks, kv_chunks = (rank, 2 * sp - 1 - rank), (source, 2 * sp - 1 - source)
+    q_chunks, kv_chunks = chunks[2 * rank : 2 * rank + 2], chunks[2 * source : 2 * source + 2]
     return [
         (i, j, causal and kc == qc)
         for i, qc in enumerate(q_chunks)
@@ -41,19 +48,42 @@ def _pairs(rank: int, source: int, sp: int, causal: bool) -> list[tuple[int, int
     ]
 
 
-def _mask(mask: Tensor | None, rank: int, source: int, sp: int, i: int, j: int, c: int) -> Tensor | None:
-    """The additive mask of q half ``i`` (of ``rank``) against kv half ``j`` (of ``source``)."""
-    if mask is None:
-        return None
-    qc, kc = (rank, 2 * sp - 1 - rank)[i], (source, 2 * sp - 1 - source)[j]
-    return mask[..., qc * c : (qc + 1) * c, kc * c : (kc + 1) * c].contiguous()
+def _computed(
+    mask: Tensor | None, rank: int, source: int, chunks: list[int], causal: bool, c: int, dtype: torch.dtype
+) -> list[tuple[int, int, bool, Tensor | None]]:
+    """(q half, kv half, diagonal, additive pair mask) of the pairs rank ``rank`` computes against ``source``'s
+    k/v: :func:`_pairs`, with an explicit mask sliced to each pair and the pairs it masks entirely dropped."""
+    out = []
+    for i, j, diagonal in _pairs(rank, source, chunks, causal):
+        if mask is None:
+            out.append((i, j, diagonal, None))
+            continue
+        qc, kc = chunks[2 * rank + i], chunks[2 * source + j]
+        pair = mask[..., qc * c : (qc + 1) * c, kc * c : (kc + 1) * c]
+        if pair.dtype == torch.bool:
+            attends = pair
+            pair = torch.zeros(pair.shape, dtype=dtype, device=pair.device).masked_fill(~pair, torch.finfo(dtype).min)
+        else:
+            attends = pair > torch.finfo(pair.dtype).min  # Hugging Face fills with the dtype's minimum
+            pair = pair.to(dtype)
+        if qc == kc or bool(attends.any()):
+            out.append((i, j, diagonal, pair.contiguous()))
+    return out
 
 
 @torch.library.custom_op("lightning_parallel::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, mask: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float,
+    chunks: list[int],
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(B, H, 2c, d) local zig-zag queries/keys/values (equal head counts) -> (output, log-sum-exp)."""
+    """(B, H, 2c, d) local queries/keys/values (equal head counts) of the chunks ``chunks[2r], chunks[2r+1]``
+    -> (output, log-sum-exp)."""
     group = _collectives.resolve_group(group_name)
     rank, sp = _collectives.group_rank(group), _collectives.group_size(group)
     outs: list[Tensor | None] = [None, None]
@@ -63,8 +93,7 @@ def ring_attention(
     for step in range(sp):
         ks, vs = k.chunk(2, dim=2), v.chunk(2, dim=2)
         source = (rank - step) % sp
-        for i, j, diagonal in _pairs(rank, source, sp, causal):
-            pair_mask = _mask(mask, rank, source, sp, i, j, c)
+        for i, j, diagonal, pair_mask in _computed(mask, rank, source, chunks, causal, c, q.dtype):
             o, lse = _flash(qs[i], ks[j], vs[j], 0.0, diagonal, attn_mask=pair_mask, scale=scale)
             WORK[group_name] += c * (c + 1) / 2 if diagonal else c * c
             if outs[i] is None:
@@ -80,16 +109,23 @@ def ring_attention(
 
 @ring_attention.register_fake
 def _(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, mask: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float,
+    chunks: list[int],
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:-1])
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, group_name, causal, scale, mask = inputs
+    q, k, v, group_name, causal, scale, chunks, mask = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.group_name, ctx.causal, ctx.scale, ctx.mask = group_name, causal, scale, mask
+    ctx.group_name, ctx.causal, ctx.scale, ctx.chunks, ctx.mask = group_name, causal, scale, chunks, mask
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyped-def]
@@ -103,8 +139,9 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyp
         ks, vs = k.chunk(2, dim=2), v.chunk(2, dim=2)
         dks, dvs = dk.chunk(2, dim=2), dv.chunk(2, dim=2)  # views: accumulate in place
         source = (rank - step) % sp
-        for i, j, diagonal in _pairs(rank, source, sp, ctx.causal):
-            pair_mask = _mask(ctx.mask, rank, source, sp, i, j, qs[i].shape[2])
+        for i, j, diagonal, pair_mask in _computed(
+            ctx.mask, rank, source, ctx.chunks, ctx.causal, qs[0].shape[2], q.dtype
+        ):
             gq, gk, gv = _flash_backward(
                 gos[i].contiguous(), qs[i], ks[j], vs[j], os_[i], ls[i], 0.0, diagonal, attn_mask=pair_mask,
                 scale=ctx.scale,
@@ -116,7 +153,7 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyp
             k, v = _collectives.ring_shift(k, group), _collectives.ring_shift(v, group)
         # the k/v gradients travel with their k/v and are home after sp shifts
         dk, dv = _collectives.ring_shift(dk, group), _collectives.ring_shift(dv, group)
-    return torch.cat(dq, dim=2), dk, dv, None, None, None, None
+    return torch.cat(dq, dim=2), dk, dv, None, None, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup_context)

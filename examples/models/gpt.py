@@ -1,5 +1,6 @@
 """A nanoGPT-style GPT (after Karpathy's nanoGPT): learned positions, fused QKV, SDPA, GELU MLP,
-embedding tied to the head, blocks in an ``nn.ModuleList``."""
+embedding tied to the head, blocks in an ``nn.ModuleList``. Packed rows (``position_ids`` restarting at each
+document) attend within their documents through a block-diagonal causal mask."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from examples.models.documents import IGNORE_INDEX, document_mask
 
 
 class CausalSelfAttention(nn.Module):
@@ -20,13 +23,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
         self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attention_mask, p, is_causal=attention_mask is None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -51,13 +55,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attention_mask)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(L.LightningModule):
-    """Character-level GPT; ``batch`` is ``(idx, targets)`` of shape ``(B, T)``."""
+    """Character-level GPT; ``batch`` is ``(idx, targets)`` of shape ``(B, T)``, or packed rows
+    ``{"input_ids", "position_ids", "labels"}`` (:func:`lightning_parallel.packing.pack_documents`, Hugging Face's
+    layout: ``labels`` unshifted, -100 at each document's first token)."""
 
     def __init__(
         self,
@@ -96,18 +102,24 @@ class GPT(L.LightningModule):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         _, t = idx.size()
-        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device) if position_ids is None else position_ids
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        mask = None if position_ids is None else document_mask(position_ids)
+        extra = {} if mask is None else {"attention_mask": mask}
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, **extra)
         return self.lm_head(self.transformer.ln_f(x))
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        idx, targets = batch
-        logits = self(idx)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(batch, dict):  # packed rows: predict each next token of the same document
+            logits = self(batch["input_ids"], batch.get("position_ids"))[:, :-1]
+            targets = batch["labels"][:, 1:]
+        else:
+            idx, targets = batch
+            logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

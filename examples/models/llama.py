@@ -1,5 +1,7 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings computed once and passed to every block,
-separate q/k/v/o projections with grouped-query attention, SwiGLU MLP, untied head."""
+separate q/k/v/o projections with grouped-query attention, SwiGLU MLP, untied head. Packed rows
+(``position_ids`` restarting at each document) take each token's rotary angle from its position in its
+document and attend within their documents through a block-diagonal causal mask."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from examples.models.documents import IGNORE_INDEX, document_mask
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +28,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # x: (B, nh, T, hd), cos/sin: (T, hd)
+    return x * cos + rotate_half(x) * sin  # x: (B, nh, T, hd), cos/sin: (T, hd) or (B, 1, T, hd)
 
 
 class Attention(nn.Module):
@@ -36,13 +40,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q, k, v, attention_mask, is_causal=attention_mask is None, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -65,13 +71,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
         self.mlp = SwiGLU(dim, hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Llama(L.LightningModule):
-    """Character-level Llama; ``batch`` is ``(idx, targets)`` of shape ``(B, T)``."""
+    """Character-level Llama; ``batch`` is ``(idx, targets)`` of shape ``(B, T)``, or packed rows
+    ``{"input_ids", "position_ids", "labels"}`` (as the example GPT takes them)."""
 
     def __init__(
         self,
@@ -96,24 +105,37 @@ class Llama(L.LightningModule):
         self.register_buffer("rope_cos", cos.float(), persistent=False)
         self.register_buffer("rope_sin", sin.float(), persistent=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.size(1)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        extra = {}
+        if position_ids is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        else:  # each token's angle from its own position: (B, 1, T, head_dim), broadcast over the heads
+            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
+            mask = document_mask(position_ids)
+            if mask is not None:
+                extra["attention_mask"] = mask
         h = self.embed_tokens(idx)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, **extra)
         return self.lm_head(self.norm(h))
 
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(batch, dict):  # packed rows: predict each next token of the same document
+            logits = self(batch["input_ids"], batch.get("position_ids"))[:, :-1]
+            targets = batch["labels"][:, 1:]
+        else:
+            idx, targets = batch
+            logits = self(idx)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        idx, targets = batch
-        logits = self(idx)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        idx, targets = batch
-        self.log("val_loss", F.cross_entropy(self(idx).flatten(0, 1), targets.flatten()), sync_dist=True)
+        self.log("val_loss", self._loss(batch), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "sgd":

@@ -133,6 +133,10 @@ class AdapterAnatomy:
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
         return self.adapter.sequence_args(block, args, kwargs, index)
 
+    def attention_mask(self, block: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """The mask the call's attention uses (whole sequence, original order), or ``None``."""
+        return self.adapter.attention_call(block, args, kwargs).mask
+
     def helix_split(self, block: nn.Module, config: Any) -> Split:
         """The adapter's parts (HelixPipe), with the MLP chunked in ``post`` when asked for."""
         from lightning_parallel.recompute import chunk_mlp

@@ -14,6 +14,7 @@ of anatomy says "not me".
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,22 @@ class Call:
 
 
 PLAIN = Call()
+
+
+def argument(block: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:
+    """The value of the parameter ``name`` of ``type(block).forward`` in the call ``block(x, *args, **kwargs)``,
+    passed by name or by position (Hugging Face GPT-2 passes its attention mask positionally); ``None``
+    when the call leaves it out."""
+    if name in kwargs:
+        return kwargs[name]
+    positional = [
+        p.name
+        for p in inspect.signature(type(block).forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ][2:]  # after self and the hidden state
+    if name in positional and positional.index(name) < len(args):
+        return args[positional.index(name)]
+    return None
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:

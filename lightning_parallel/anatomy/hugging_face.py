@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from lightning_parallel.anatomy.base import AttentionCall, ConfigurationError, Split, Unsupported
+from lightning_parallel.anatomy.base import AttentionCall, ConfigurationError, Split, Unsupported, argument
 
 PREFIX = "lightning_parallel_"
 STYLES = {  # base_model_tp_plan style -> this library's module style
@@ -40,6 +40,8 @@ STYLES = {  # base_model_tp_plan style -> this library's module style
     "moe_tp_experts": "experts_partial_output",
 }
 SEQUENCE_KWARGS = {"position_ids": -1, "cache_position": -1}  # and position_embeddings=(cos, sin): dim -2
+#: flash-attn's variable-length arguments (documents of a packed batch), as transformers passes them
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 @dataclass
@@ -223,6 +225,7 @@ class HuggingFaceAnatomy:
         return 1
 
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:
+        self._check_documents(block, args, kwargs)
         local = dict(kwargs)
         if isinstance(local.get("position_embeddings"), (tuple, list)):
             local["position_embeddings"] = tuple(t.index_select(-2, index) for t in local["position_embeddings"])
@@ -230,6 +233,32 @@ class HuggingFaceAnatomy:
             if isinstance(local.get(name), Tensor):
                 local[name] = local[name].index_select(dim, index)
         return args, local
+
+    def _check_documents(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Refuse a packed batch whose documents reach the attention other than by a mask: flash-attn's
+        variable-length path takes them from ``cu_seq_lens_*`` (``DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True)``) or from restarting ``position_ids``, and builds no mask; a sequence
+        shard of that call would attend across documents. (Other implementations ignore those arguments and
+        build the document mask, which both modes split.)"""
+        from lightning_parallel.packing import is_packed
+
+        if "flash" not in self.original or isinstance(argument(block, args, kwargs, "attention_mask"), Tensor):
+            return
+        varlen = sorted(n for n in VARLEN_KWARGS if kwargs.get(n) is not None)
+        position_ids = kwargs.get("position_ids")
+        if varlen or (isinstance(position_ids, Tensor) and is_packed(position_ids)):
+            given = ", ".join(varlen) if varlen else "position_ids that restart (packed documents)"
+            raise ConfigurationError(
+                f"sequence parallelism cannot split this packed batch's attention: {type(block).__name__} calls"
+                f" attn_implementation={self.original!r} with {given} and no mask, and a sequence shard of that call"
+                " would attend across documents; use attn_implementation='sdpa' (transformers then builds the"
+                " document mask, which Ulysses and ring split), or a strategy without sequence parallelism"
+            )
+
+    def attention_mask(self, block: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """The call's ``attention_mask`` when it is a tensor (whole sequence, original order), else ``None``."""
+        mask = argument(block, args, kwargs, "attention_mask")
+        return mask if isinstance(mask, Tensor) else None
 
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
         plan = getattr(self.hf_config, "base_model_tp_plan", None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State
+from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State, argument
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -42,7 +42,7 @@ class LlamaAdapter:
         return block.mlp, "forward", -2
 
     def attention_call(self, block: nn.Module, args: tuple, kwargs: dict) -> AttentionCall:
-        mask = kwargs.get("attention_mask")
+        mask = argument(block, args, kwargs, "attention_mask")
         dropout = getattr(block.self_attn, "attention_dropout", 0.0) if block.training else 0.0
         return AttentionCall(mask is None, getattr(block.self_attn, "scaling", None), dropout, mask)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State
+from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State, argument
 
 
 class NanoGPTAdapter:
@@ -24,7 +24,7 @@ class NanoGPTAdapter:
     def attention_call(self, block: nn.Module, args: tuple, kwargs: dict) -> AttentionCall:
         attn = block.attn
         dropout = attn.attn_dropout.p if hasattr(attn, "attn_dropout") else attn.dropout
-        mask = kwargs.get("attention_mask")
+        mask = argument(block, args, kwargs, "attention_mask")
         return AttentionCall(mask is None, getattr(attn, "scaling", None), dropout if block.training else 0.0, mask)
 
     def sequence_args(self, block: nn.Module, args: tuple, kwargs: dict, index: Tensor) -> tuple[tuple, dict]:

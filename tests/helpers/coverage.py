@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import RankFailed
 from tests.helpers.parity import assert_parity
+from tests.helpers.zoo import HF_FAMILIES
 
 # name -> (strategy factory, data-parallel size); every column runs on 2 ranks
 COLUMNS = {
@@ -77,14 +78,43 @@ ROW_TITLES = {
     "home:rope": "home-written, RoPE inside the block",
     "home:fused": "home-written, fused q\\|k\\|v, heads in `nh`",
 }
+PACKED_ROWS = ("packed:gpt", "packed:llama", *(f"packed:hf:{family}" for family in HF_FAMILIES))
+"""The same strategies on packed rows (several documents per row, tests/helpers/packed.py): the example decoders
+and the Hugging Face causal LMs (each builds its document mask from ``position_ids``, as on one device)."""
+_PACKED_TITLES = {
+    "packed:gpt": "example GPT",
+    "packed:llama": "example Llama",
+    "packed:hf:opt": "Hugging Face OPT (its mask ignores `position_ids`: documents attend across, as on one device)",
+}
+ROW_TITLES.update({row: _PACKED_TITLES.get(row) or ROW_TITLES[row.removeprefix("packed:")] for row in PACKED_ROWS})
 _SHORT = {"the traced graph": "traced", "hugging_face": "HF metadata"}
 
 
 def markdown(results: dict[tuple[str, str], Cell]) -> str:
-    """The matrix as a Markdown table: a cell is parity (with the anatomy that served it) or the clear error."""
-    rows = [r for r in ROW_TITLES if any((r, c) in results for c in COLUMNS)]
-    lines = ["| model | " + " | ".join(COLUMN_TITLES[c] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    """The matrix as Markdown tables (plain batches, then packed rows): a cell is parity (with the anatomy that
+    served it) or the clear error."""
     errors: list[str] = []
+    lines = _table([r for r in ROW_TITLES if not r.startswith("packed:")], results, errors)
+    packed = _table([r for r in ROW_TITLES if r.startswith("packed:")], results, errors)
+    if len(packed) > 2:
+        lines += ["", "Packed rows (3 documents of uneven lengths per row of 32 tokens, `position_ids` restarting at each,"
+                  " as `DataCollatorWithFlattening` lays them out; tests/helpers/packed.py):", "", *packed]  # fmt: skip
+    passed = sum(c.status == "parity" for c in results.values())
+    lines += [
+        "",
+        f"{passed} of {len(results)} cells reproduce single-process training ({100 * passed / len(results):.0f} %).",
+    ]
+    lines += [""] + [f"[{i}] {e}" for i, e in enumerate(errors, 1)]
+    lines += ["", "timm: PyPI's torchvision for torch 2.13 cannot load beside the CPU build of torch 2.13 (\"operator"
+              " torchvision::nms does not exist\"), and timm imports it at module level; the row imports timm's real"
+              " VisionTransformer with tests/helpers/torchvision_stub.py standing in for torchvision, which ViT never"
+              " calls."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[str], results: dict[tuple[str, str], Cell], errors: list[str]) -> list[str]:
+    rows = [r for r in rows if any((r, c) in results for c in COLUMNS)]
+    lines = ["| model | " + " | ".join(COLUMN_TITLES[c] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for row in rows:
         cells = []
         for column in COLUMNS:
@@ -104,14 +134,4 @@ def markdown(results: dict[tuple[str, str], Cell]) -> str:
                 errors.append(f"{ROW_TITLES[row]}, {COLUMN_TITLES[column]}: {lines_[0]} ... {reason}")
                 cells.append(f"clear error [{len(errors)}]")
         lines.append(f"| {ROW_TITLES[row]} | " + " | ".join(cells) + " |")
-    passed = sum(c.status == "parity" for c in results.values())
-    lines += [
-        "",
-        f"{passed} of {len(results)} cells reproduce single-process training ({100 * passed / len(results):.0f} %).",
-    ]
-    lines += [""] + [f"[{i}] {e}" for i, e in enumerate(errors, 1)]
-    lines += ["", "timm: PyPI's torchvision for torch 2.13 cannot load beside the CPU build of torch 2.13 (\"operator"
-              " torchvision::nms does not exist\"), and timm imports it at module level; the row imports timm's real"
-              " VisionTransformer with tests/helpers/torchvision_stub.py standing in for torchvision, which ViT never"
-              " calls."]  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return lines

@@ -90,6 +90,10 @@ def build(
 
     if model in zoo.ROWS:
         return zoo.build(model, batch_size, optimizer, 0.05 if optimizer == "sgd" else 1e-3, SEQ_LEN)
+    if model.startswith("packed:"):  # packed rows of documents (tests/helpers/packed.py)
+        from tests.helpers import packed
+
+        return packed.build(model.removeprefix("packed:"), batch_size, optimizer, 0.05 if optimizer == "sgd" else 1e-3)
     # Adam's lr stays small: parameters whose exact gradient is zero (the key bias of nn.MultiheadAttention:
     # softmax ignores a per-key constant) get updates of about lr * rounding-noise / eps from Adam, which at
     # lr=1e-2 reach the fp64 atol of 1e-12 by themselves. Real updates stay ~1e-3 per step.

@@ -1,8 +1,10 @@
 """The coverage matrix: the models users have, as plain LightningModules (tests/helpers/zoo.py),
 under every strategy; each cell reproduces single-process training (float32 with SGD, docs/design.md "Parity tests": the loss
 of every step and every parameter) or ends in one of the library's clear errors, never a silent wrong
-result, an internal traceback or a hang. One Hugging Face family and one home-written block run every
-column in the fast tier; the whole matrix is slow.
+result, an internal traceback or a hang. The packed rows train the same strategies on rows of several
+documents (tests/helpers/packed.py), so a lost document mask cannot come back unseen. One Hugging Face family,
+one home-written block and the packed example Llama run every column in the fast tier; the whole matrix is
+slow.
 
 ``bash scripts/test.sh -m "" tests/strategies/test_coverage.py --coverage-table docs/coverage.md`` writes the
 table the README shows."""
@@ -14,7 +16,7 @@ import re
 import pytest
 
 from tests.helpers import zoo
-from tests.helpers.coverage import COLUMNS, run_cell
+from tests.helpers.coverage import COLUMNS, PACKED_ROWS, run_cell
 
 pytest.importorskip("transformers")
 
@@ -24,7 +26,7 @@ EXPECTED = {
     ("lightning:demo", "ulysses"): r"calls attention 2 times \(e\.g\. self- and cross-attention\)",
     ("lightning:demo", "ring"): r"calls attention 2 times \(e\.g\. self- and cross-attention\)",
 }
-FAST = {"hf:qwen3", "home:fused"}
+FAST = {"hf:qwen3", "home:fused", "packed:llama"}
 
 
 def test_at_least_nine_in_ten_cells_are_parity():
@@ -32,7 +34,9 @@ def test_at_least_nine_in_ten_cells_are_parity():
 
 
 @pytest.mark.parametrize("column", list(COLUMNS))
-@pytest.mark.parametrize("row", [pytest.param(r, marks=() if r in FAST else pytest.mark.slow) for r in zoo.ROWS])
+@pytest.mark.parametrize(
+    "row", [pytest.param(r, marks=() if r in FAST else pytest.mark.slow) for r in (*zoo.ROWS, *PACKED_ROWS)]
+)
 def test_cell(row, column, coverage_table):
     cell = run_cell(row, column)
     coverage_table[(row, column)] = cell

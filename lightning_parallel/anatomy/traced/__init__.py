@@ -84,6 +84,11 @@ class TracedAnatomy:
         (_, *new_args), new_kwargs = tree_unflatten(sliced, spec)
         return tuple(new_args), new_kwargs
 
+    def attention_mask(self, block: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+        """``None``: a traced graph may compute its mask from the arguments; ring mode then keeps the zig-zag
+        split (exact under any mask; only balanced for causal attention)."""
+        return None
+
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> GraphForward:
         plan = None
         if config.tp > 1:
