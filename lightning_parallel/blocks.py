@@ -58,6 +58,8 @@ class BlockConfig:
     recompute: str = "none"
     every_n: int = 2
     mlp_chunks: int = 1
+    offload: bool = False
+    """``recompute_offload``: what the recomputation policy keeps waits in host memory (lightning_parallel.offload)."""
     mlp_module: str | None = None
     """Path of the MLP inside a block, where the anatomy does not find it."""
     attention_kernels: tuple[str, ...] = ()
@@ -177,6 +179,23 @@ class _Plain:
         return self
 
 
+class _SavedToHost:
+    """Step 4 without recomputation, with ``offload``: everything the block saves for its backward waits in host
+    memory (:func:`lightning_parallel.offload.saved_to_host`)."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        from lightning_parallel.offload import saved_to_host
+
+        with saved_to_host():
+            return self.inner(block, x, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _SavedToHost:
+        return self
+
+
 def _map_first(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(out, Tensor):
         return fn(out)
@@ -214,7 +233,10 @@ def compose(block: nn.Module, index: int, anatomy: Any, config: BlockConfig, lay
             extra,
             keep_communication=config.communicates,
             shared=config.split_backward,
+            offload=config.offload,
         )
+    elif config.offload:
+        stack = _SavedToHost(stack)
     return stack
 
 
@@ -272,7 +294,7 @@ class BlockLayer:
     winner: str | None = None  # the source of anatomy the first block verified with (the others use it too)
 
     def __post_init__(self) -> None:
-        validate(self.config.recompute, self.config.every_n, self.config.mlp_chunks)
+        validate(self.config.recompute, self.config.every_n, self.config.mlp_chunks, self.config.offload)
 
     @property
     def hidden_name(self) -> str | None:

@@ -90,10 +90,16 @@ def communication_ops() -> set[Any]:
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 
 
-def validate(policy: str, every_n: int, mlp_chunks: int) -> None:
+def validate(policy: str, every_n: int, mlp_chunks: int, offload: bool = False) -> None:
     """Raise ``ValueError`` for an unknown policy or out-of-range sizes (before anything is wrapped)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown recompute policy {policy!r}; choose one of {list(POLICIES)}")
+    if offload and policy in ("full", "every_n"):
+        raise ValueError(
+            f"recompute_offload=True moves what a policy keeps inside a block to host memory; recompute={policy!r}"
+            " keeps nothing inside its recomputed blocks (only their inputs, the previous blocks' outputs): use"
+            " 'no_attention', 'selective' or 'none'"
+        )
     if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
         raise ValueError(f"recompute_every_n must be an int >= 1, got {every_n!r}")
     if isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1:
@@ -141,8 +147,8 @@ class Recomputed:
     contexts. It holds no module (the stack gets the block at each call), so copies of a block share it."""
 
     def __init__(self, inner: Any, policy: str, block_name: str, extra: frozenset = frozenset(),
-                 keep_communication: bool = False, shared: bool = False) -> None:  # fmt: skip
-        self.inner, self.policy, self.block_name = inner, policy, block_name
+                 keep_communication: bool = False, shared: bool = False, offload: bool = False) -> None:  # fmt: skip
+        self.inner, self.policy, self.block_name, self.offload = inner, policy, block_name, offload
         self._checkpoint = shared_checkpoint if shared else functools.partial(checkpoint, use_reentrant=False)
         self._communication = communication_ops() if keep_communication else set()
         self._attention = attention_ops()
@@ -157,16 +163,25 @@ class Recomputed:
     def __deepcopy__(self, memo: dict) -> Recomputed:
         return self
 
-    def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    def _keeps(self, op: Any) -> bool:
         if op in self.keep:
             self._saw_attention = self._saw_attention or op not in self._communication or op in self._attention
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+            return True
+        return False
+
+    def _policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if self._keeps(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         if self.policy == "full" and not self._communication:
             return self._checkpoint(self.inner, block, x, args, kwargs)
-        context = functools.partial(create_selective_checkpoint_contexts, self._policy)
+        if self.offload:  # the kept outputs wait in host memory (lightning_parallel.offload)
+            from lightning_parallel.offload import offloading_contexts
+
+            asynchronous = frozenset(self._communication - {torch.ops.lightning_parallel.ring_attention.default})
+            context: Any = functools.partial(offloading_contexts, self._keeps, asynchronous)
+        else:
+            context = functools.partial(create_selective_checkpoint_contexts, self._policy)
         out = self._checkpoint(self.inner, block, x, args, kwargs, context_fn=context)
         if not self._checked and torch.is_grad_enabled():
             self._checked = True

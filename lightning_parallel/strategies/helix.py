@@ -92,6 +92,11 @@ class HelixParallelStrategy(PipelineParallelStrategy):
                 f"helix with sequence_parallel_size={kwargs['sequence_parallel_size']} is not supported: its attention"
                 " runs on another stage; use strategy='pipeline' for pp x sp"
             )
+        if kwargs.get("recompute_offload"):
+            raise ValueError(
+                "helix with recompute_offload=True is not supported: its runtime keeps each layer's attention output"
+                " for the backward itself; use strategy='pipeline' or 'sequence_parallel' for offloaded activations"
+            )
         if kwargs.get("tensor_parallel_size", 1) != 1:
             raise ValueError(
                 f"helix with tensor_parallel_size={kwargs['tensor_parallel_size']} is not supported: its param chunks"

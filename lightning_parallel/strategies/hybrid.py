@@ -120,6 +120,9 @@ class HybridParallelStrategy(
             ``"selective"`` or ``"no_attention"`` (see :mod:`lightning_parallel.recompute`).
         recompute_every_n: with ``"every_n"``, blocks 0, n, 2n, ... are recomputed.
         mlp_chunks: run each block's MLP over this many slices of the sequence (1: off).
+        recompute_offload: what the ``recompute`` policy keeps of a block (``"none"``: everything autograd saves;
+            ``"selective"``, ``"no_attention"``: the kept ops' outputs) waits in host memory between the forward and
+            the backward (pinned, copied on a side stream on CUDA; :mod:`lightning_parallel.offload`).
         trunk: dotted path of the container of repeated blocks (default: discovered).
         mlp_module: path of the MLP inside a block, where it is not found by name.
         attention_kernels: further ops (``"namespace::op"``) the ``no_attention`` / ``selective`` policies keep,
@@ -164,6 +167,7 @@ class HybridParallelStrategy(
         recompute: Policy = "none",
         recompute_every_n: Optional[int] = None,
         mlp_chunks: int = 1,
+        recompute_offload: bool = False,
         trunk: Optional[str] = None,
         mlp_module: Optional[str] = None,
         attention_kernels: tuple[str, ...] = (),
@@ -203,7 +207,7 @@ class HybridParallelStrategy(
                 f"sequence_parallel_size={sequence_parallel_size} already splits every block's sequence; it cannot be"
                 " combined with tp_sequence_parallel=True (which splits it between the tensor-parallel regions)"
             )
-        recompute_lib.validate(recompute, recompute_every_n, mlp_chunks)
+        recompute_lib.validate(recompute, recompute_every_n, mlp_chunks, recompute_offload)
         self._save_distributed = save_distributed_checkpoint
         self._vocabulary_parallel = vocabulary_parallel
         check_sharding(data_parallel_sharding)
@@ -226,6 +230,7 @@ class HybridParallelStrategy(
             recompute=recompute,
             every_n=recompute_every_n,
             mlp_chunks=mlp_chunks,
+            offload=recompute_offload,
             mlp_module=mlp_module,
             attention_kernels=tuple(attention_kernels),
         )
@@ -428,7 +433,7 @@ class HybridParallelStrategy(
         _partial.unguard(lm)  # set up again after a fit: the module is whole to the strategy once more
         config = self._block_config()
         self._cache_off += prepare_model(lm)  # every layout trains the same model (anatomy/families.py)
-        if not (config.needs_anatomy or config.recompute != "none" or self._needs_trunk()):
+        if not (config.needs_anatomy or config.recompute != "none" or config.offload or self._needs_trunk()):
             self.model_to_device()
             self._materialize(lm, [], None)
             return  # data parallelism alone: the model needs no trunk

@@ -74,3 +74,40 @@ def test_bad_recompute_arguments_fail_at_construction():
         HybridParallelStrategy(recompute="every_n", recompute_every_n=0)
     with pytest.raises(ValueError, match="mlp_chunks must be an int >= 1, got 0"):
         HybridParallelStrategy(mlp_chunks=0)
+
+
+@pytest.mark.parametrize(
+    "make, dp",
+    [
+        pytest.param(pipeline(recompute="no_attention", recompute_offload=True), 1, id="pipeline-no_attention"),
+        pytest.param(
+            lambda: HybridParallelStrategy(
+                data_parallel_size=1, tensor_parallel_size=2, recompute="selective", recompute_offload=True
+            ),
+            1,
+            id="tp2-selective",
+        ),  # fmt: skip
+        pytest.param(
+            lambda: HybridParallelStrategy(
+                sequence_parallel_size=2,
+                sequence_parallel_mode="ring",
+                recompute="no_attention",
+                recompute_offload=True,
+            ),
+            1,
+            id="ring-no_attention",
+        ),  # fmt: skip
+        pytest.param(lambda: HybridParallelStrategy(data_parallel_size=2, recompute_offload=True), 2, id="dp2-none"),
+    ],
+)
+def test_offloaded_activations_train_exactly(make, dp):
+    """recompute_offload=True: the policy's kept tensors wait in host memory (lightning_parallel/offload.py); the
+    outputs of asynchronous collectives (tensor parallelism) stay on the device."""
+    assert_parity("llama", make, 2, data_parallel_size=dp)
+
+
+def test_helix_refuses_offload():
+    from lightning_parallel import HelixParallelStrategy
+
+    with pytest.raises(ValueError, match="helix with recompute_offload=True is not supported"):
+        HelixParallelStrategy(pipeline_parallel_size=2, recompute_offload=True)
