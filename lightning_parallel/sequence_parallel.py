@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.base import AttentionCall, ConfigurationError
+from lightning_parallel.block_protocol import AttentionCall, ConfigurationError
 from lightning_parallel.ring_attention import ring_attention
 
 MODES = ("ulysses", "ring")
@@ -163,8 +163,9 @@ def balanced_chunks(mask: Tensor | None, sp: int) -> tuple[int, ...]:
     mask (a packed batch's documents) the key chunks where the mask leaves any score (always its own). The
     chunks are sorted by load and the heaviest paired with the lightest, the next with the next: for causal
     attention that is the zig-zag split (rank r: chunks r and 2sp-1-r), and under documents it evens out what
-    the zig-zag would not (measured on random document lengths at T=16k: the busiest rank's pairs 1.24x / 1.42x
-    the mean at sp=4 / 8 with the zig-zag, 1.10x / 1.18x paired by load; docs/benchmarks.md). Every rank
+    the zig-zag would not (rows of T=16k packed from random lengths of mean 2048: the busiest rank's pairs 1.29x
+    / 1.47x the mean at sp=4 / 8 with the zig-zag, 1.08x / 1.20x paired by load; benchmarks/ring_balance.py,
+    docs/benchmarks.md "Long context"). Every rank
     holds the same mask, so every rank computes the same split."""
     n = 2 * sp
     if mask is None:
