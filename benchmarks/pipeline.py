@@ -50,7 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT  # noqa: E402
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy  # noqa: E402
-from lightning_parallel.blocks import BlockConfig  # noqa: E402
+from lightning_parallel.blocks import (
+    BlockConfig,  # noqa: E402
+    apply_recompute,  # noqa: E402
+)
 from lightning_parallel.callbacks.timeline import analyze, mean_costs, split_receive  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
@@ -58,7 +61,6 @@ from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # 
 from lightning_parallel.pipeline.placement import place_blocks  # noqa: E402
 from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from lightning_parallel.pipeline.schedules import build_schedule, chunk_stages, placement_style, simulate  # noqa: E402
-from lightning_parallel.recompute import apply_recompute  # noqa: E402
 from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_bytes  # noqa: E402
 
 VOCAB, H, LAYERS, HEADS = 65, 128, 8, 4

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models.gpt import Block  # noqa: E402
 from examples.models.llama import DecoderLayer, rope_tables  # noqa: E402
+from lightning_parallel.blocks import apply_recompute  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker, kept_for_backward, time_forward_backward  # noqa: E402
-from lightning_parallel.recompute import apply_recompute  # noqa: E402
 
 H = 128
 VARIANTS = [("none", 1), ("selective", 1), ("no_attention", 1), ("full", 1), ("none", 4), ("no_attention", 4)]

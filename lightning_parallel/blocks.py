@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.anatomy import resolve
-from lightning_parallel.anatomy.base import ConfigurationError
 from lightning_parallel.anatomy.verify import single_process_gradients
-from lightning_parallel.recompute import Recomputed, resolve_op, validate
+from lightning_parallel.block_protocol import ConfigurationError, OwnForward
+from lightning_parallel.recompute import Policy, Recomputed, resolve_op, validate
 from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, has_dropout
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
@@ -106,16 +106,6 @@ class Layouts:
 
 
 # ---------------------------------------------------------------------------------------- the stack
-class OwnForward:
-    """The block's own (class) forward."""
-
-    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
-        return type(block).forward(block, x, *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> OwnForward:
-        return self
-
-
 class _SequenceParallel:
     """Step 3: this rank's tokens in, the whole sequence out; the inner forward distributes attention."""
 
@@ -368,7 +358,7 @@ def _normal(value: Any) -> Any:
 
 def uninstall_runners(blocks: Iterable[nn.Module]) -> None:
     """Remove block runners (and the MLP chunking they installed) from ``blocks``."""
-    from lightning_parallel.recompute import unchunk_mlps
+    from lightning_parallel.mlp_chunks import unchunk_mlps
 
     for block in blocks:
         if isinstance(block.__dict__.get("forward"), BlockRunner):
@@ -389,12 +379,47 @@ def parallelize(module: nn.Module, config: BlockConfig, *, trunk: str | None = N
     return BlockLayer(found, config, Layouts.for_config(config)).install(enumerate(found.blocks))
 
 
+def apply_recompute(
+    module: nn.Module,
+    policy: Policy = "full",
+    *,
+    every_n: int = 2,
+    mlp_chunks: int = 1,
+    trunk: str | None = None,
+    mlp_module: str | None = None,
+    attention_kernels: tuple[str, ...] = (),
+    split_backward: bool = False,
+) -> nn.Module:
+    """Run each trunk block of ``module`` under the recomputation ``policy`` (and chunk its MLP); in place.
+
+    ``attention_kernels`` names further ops (``"namespace::op"`` or ``"namespace::op.overload"``) that
+    ``no_attention`` and ``selective`` must keep, for blocks whose attention runs a custom kernel. The
+    blocks get the block layer's runners (:mod:`lightning_parallel.blocks`); with ``mlp_chunks > 1`` the
+    MLP is found by the block's anatomy on the first call (and verified). ``split_backward=True``: the
+    backward will run as an input-gradient and a weight-gradient call (a zero-bubble schedule, this
+    package's or torch's): recomputation runs once and serves both (:func:`shared_checkpoint`). Works
+    without Lightning. Re-applying replaces the previous wrapping. Returns ``module``.
+    """
+    from lightning_parallel.trunk import discover_trunk
+
+    validate(policy, every_n, mlp_chunks)
+    extra = tuple(attention_kernels)
+    for name in extra:
+        resolve_op(name)  # fail now, not at the first step
+    found = discover_trunk(module, trunk)
+    uninstall_runners(found.blocks)
+    config = BlockConfig(recompute=policy, every_n=every_n, mlp_chunks=mlp_chunks, mlp_module=mlp_module,
+                         attention_kernels=extra, split_backward=split_backward)  # fmt: skip
+    BlockLayer(found, config).install(enumerate(found.blocks))
+    return module
+
+
 __all__ = [
     "BlockConfig",
+    "apply_recompute",
     "BlockLayer",
     "BlockRunner",
     "Layouts",
-    "OwnForward",
     "compose",
     "parallelize",
     "uninstall_runners",

@@ -47,7 +47,7 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------------------------- by name
 def local_state_dict(module: nn.Module) -> dict[str, Any]:
     """The module's state this rank holds (parameters freed to meta by a placement are left out)."""
-    from lightning_parallel.strategies._partial import partial_allowed
+    from lightning_parallel.partial import partial_allowed
 
     with partial_allowed():
         state = module.state_dict()

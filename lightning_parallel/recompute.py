@@ -1,6 +1,7 @@
 """Activation recomputation policies and chunked MLP over a model's trunk blocks.
 
-Policies (``apply_recompute(module, policy)``), built on ``torch.utils.checkpoint`` (non-reentrant) and
+Policies (applied per block by the block layer, :mod:`lightning_parallel.blocks`; without Lightning
+``lightning_parallel.blocks.apply_recompute(module, policy)``), built on ``torch.utils.checkpoint`` (non-reentrant) and
 its selective-checkpoint contexts (``create_selective_checkpoint_contexts``):
 
 - ``"none"``; ``"full"``: every block is checkpointed (only its inputs are kept, all of it is re-run);
@@ -24,9 +25,7 @@ by the input-gradient and the weight-gradient action; torch's checkpoint recompu
 refuses a second unpack under one ``GraphExecGroup``. Such blocks run under :func:`shared_checkpoint`:
 the same policy contexts, one recomputation per forward, serving every unpack until the graph is freed.
 
-Chunked MLP (``mlp_chunks=k``): the block's token-wise MLP runs over k slices of the sequence, so its
-wide intermediate (4H, or the SwiGLU gate and up projections) exists for T/k tokens at a time, in
-forward and backward (autograd keeps one 1/k-sized tensor per slice).
+Chunked MLP (``mlp_chunks=``) is :mod:`lightning_parallel.mlp_chunks`.
 """
 
 from __future__ import annotations
@@ -47,8 +46,6 @@ from torch.utils.checkpoint import (
     get_device_states,
     set_device_states,
 )
-
-from lightning_parallel.anatomy.base import ConfigurationError
 
 Policy = Literal["none", "full", "every_n", "selective", "no_attention"]
 POLICIES: tuple[str, ...] = ("none", "full", "every_n", "selective", "no_attention")
@@ -104,42 +101,6 @@ def validate(policy: str, every_n: int, mlp_chunks: int, offload: bool = False) 
         raise ValueError(f"recompute_every_n must be an int >= 1, got {every_n!r}")
     if isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1:
         raise ValueError(f"mlp_chunks must be an int >= 1, got {mlp_chunks!r}")
-
-
-def apply_recompute(
-    module: nn.Module,
-    policy: Policy = "full",
-    *,
-    every_n: int = 2,
-    mlp_chunks: int = 1,
-    trunk: str | None = None,
-    mlp_module: str | None = None,
-    attention_kernels: tuple[str, ...] = (),
-    split_backward: bool = False,
-) -> nn.Module:
-    """Run each trunk block of ``module`` under the recomputation ``policy`` (and chunk its MLP); in place.
-
-    ``attention_kernels`` names further ops (``"namespace::op"`` or ``"namespace::op.overload"``) that
-    ``no_attention`` and ``selective`` must keep, for blocks whose attention runs a custom kernel. The
-    blocks get the block layer's runners (:mod:`lightning_parallel.blocks`); with ``mlp_chunks > 1`` the
-    MLP is found by the block's anatomy on the first call (and verified). ``split_backward=True``: the
-    backward will run as an input-gradient and a weight-gradient call (a zero-bubble schedule, this
-    package's or torch's): recomputation runs once and serves both (:func:`shared_checkpoint`). Works
-    without Lightning. Re-applying replaces the previous wrapping. Returns ``module``.
-    """
-    from lightning_parallel.blocks import BlockConfig, BlockLayer, uninstall_runners
-    from lightning_parallel.trunk import discover_trunk
-
-    validate(policy, every_n, mlp_chunks)
-    extra = tuple(attention_kernels)
-    for name in extra:
-        resolve_op(name)  # fail now, not at the first step
-    found = discover_trunk(module, trunk)
-    uninstall_runners(found.blocks)
-    config = BlockConfig(recompute=policy, every_n=every_n, mlp_chunks=mlp_chunks, mlp_module=mlp_module,
-                         attention_kernels=extra, split_backward=split_backward)  # fmt: skip
-    BlockLayer(found, config).install(enumerate(found.blocks))
-    return module
 
 
 class Recomputed:
@@ -256,45 +217,3 @@ def resolve_op(name: str) -> Any:
         return getattr(packet, overload or "default")
     except (AttributeError, RuntimeError):
         raise ValueError(f"attention_kernels: no op named {name!r} is registered with torch.ops") from None
-
-
-# ---------------------------------------------------------------------------------- chunked MLP
-def chunk_mlp(owner: nn.Module, name: str, chunks: int, dim: int, block_name: str) -> None:
-    """Run ``owner.<name>`` (the block's token-wise MLP, as the block's anatomy locates it) over ``chunks``
-    slices of the sequence: an instance attribute, removed by :func:`unchunk_mlps`."""
-    setattr(owner, name, ChunkedMLP(owner, name, chunks, dim, block_name))
-
-
-def unchunk_mlps(block: nn.Module) -> None:
-    for module in block.modules():
-        for name, value in list(module.__dict__.items()):
-            if isinstance(value, ChunkedMLP):
-                del module.__dict__[name]
-
-
-class ChunkedMLP:
-    """``owner.<name>`` run over ``chunks`` slices of the sequence; holds ``owner`` itself so that a deep
-    copy of the block runs the copy's MLP."""
-
-    def __init__(self, owner: nn.Module, name: str, chunks: int, dim: int, block_name: str) -> None:
-        self.owner, self.name, self.chunks, self.dim, self.block_name = owner, name, chunks, dim, block_name
-
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        length = x.shape[self.dim]
-        if self.chunks > length:
-            raise ConfigurationError(
-                f"mlp_chunks={self.chunks} is larger than the sequence: the MLP input {tuple(x.shape)} of"
-                f" {self.block_name} has {length} tokens along dim {self.dim}"
-            )
-        original = getattr(type(self.owner), self.name)
-        # contiguous: a slice along the sequence of a (B, T, H) batch is not, and some MLPs .view() their input
-        parts = [part.contiguous() for part in torch.tensor_split(x, self.chunks, dim=self.dim)]
-        outs = [original(self.owner, part, *args, **kwargs) for part in parts]
-        if isinstance(outs[0], Tensor):
-            return torch.cat(outs, dim=self.dim)
-        if isinstance(outs[0], (tuple, list)) and all(e is None for o in outs for e in o[1:]):  # (hidden, None)
-            return type(outs[0])([torch.cat([o[0] for o in outs], dim=self.dim), *outs[0][1:]])
-        raise ValueError(
-            f"mlp_chunks={self.chunks}: the MLP of {self.block_name} returns {type(outs[0]).__name__}; chunking"
-            " needs a tensor (or a tuple whose other elements do not depend on the tokens)"
-        )

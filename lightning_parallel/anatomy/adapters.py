@@ -2,7 +2,7 @@
 Llama / Hugging Face Llama, ``nn.TransformerEncoderLayer``), and the protocol a user's ``adapter=`` object
 implements.
 
-An adapter re-implements a family's forward in three parts (see :mod:`lightning_parallel.anatomy.base`),
+An adapter re-implements a family's forward in three parts (see :mod:`lightning_parallel.block_protocol`),
 written shape-agnostically (head counts from the projections' outputs, never from global attributes), so
 the same code runs whole, on tensor-parallel shards and on a sequence shard. Adapters are verified
 against the block's own forward and gradients on the first real micro-batch like every other source of
@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, Split, State, Unsupported, sdpa
 from lightning_parallel.anatomy.llama import LlamaAdapter
 from lightning_parallel.anatomy.nanogpt import NanoGPTAdapter
 from lightning_parallel.anatomy.torch_encoder import TorchEncoderAdapter
+from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, Split, State, Unsupported, sdpa
 
 
 class BlockAdapter(Protocol):
@@ -139,7 +139,7 @@ class AdapterAnatomy:
 
     def helix_split(self, block: nn.Module, config: Any) -> Split:
         """The adapter's parts (HelixPipe), with the MLP chunked in ``post`` when asked for."""
-        from lightning_parallel.recompute import chunk_mlp
+        from lightning_parallel.mlp_chunks import chunk_mlp
 
         if config.mlp_chunks > 1:
             owner, attr, dim = self.mlp_site(block, config)
@@ -156,7 +156,7 @@ class AdapterAnatomy:
 
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> Any:
         from lightning_parallel import tensor_parallel as tp
-        from lightning_parallel.recompute import chunk_mlp
+        from lightning_parallel.mlp_chunks import chunk_mlp
 
         if config.tp > 1:
             plan = tp.expand_plan(block, dict(config.tp_plan)) if config.tp_plan else self.adapter.tp_plan(block)
@@ -168,7 +168,7 @@ class AdapterAnatomy:
             chunk_mlp(owner, attr, config.mlp_chunks, dim, type(block).__name__)
         if config.tp > 1 or config.sp > 1:
             return _AdapterForward(self.adapter, config.tp_sequence_parallel)
-        from lightning_parallel.blocks import OwnForward
+        from lightning_parallel.block_protocol import OwnForward
 
         return OwnForward()
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from lightning_parallel.anatomy.base import AttentionCall, ConfigurationError, Split, Unsupported, argument
+from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported, argument
 
 PREFIX = "lightning_parallel_"
 STYLES = {  # base_model_tp_plan style -> this library's module style
@@ -288,7 +288,7 @@ class HuggingFaceAnatomy:
 
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> Any:
         from lightning_parallel import tensor_parallel as tp
-        from lightning_parallel.recompute import chunk_mlp
+        from lightning_parallel.mlp_chunks import chunk_mlp
 
         if config.tp > 1:
             plan = tp.expand_plan(block, dict(config.tp_plan)) if config.tp_plan else self.tp_plan(block)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State, argument
+from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, State, argument
 
 
 def _rotate_half(x: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State, argument
+from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, State, argument
 
 
 class NanoGPTAdapter:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_parallel.anatomy.base import Split, Unsupported
+from lightning_parallel.block_protocol import Split, Unsupported
 
 
 class OwnAnatomy:
@@ -35,8 +35,8 @@ class OwnAnatomy:
 
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> Any:
         from lightning_parallel import tensor_parallel as tp
-        from lightning_parallel.blocks import OwnForward
-        from lightning_parallel.recompute import chunk_mlp
+        from lightning_parallel.block_protocol import OwnForward
+        from lightning_parallel.mlp_chunks import chunk_mlp
 
         if config.tp > 1:
             plan = tp.expand_plan(block, dict(config.tp_plan))

@@ -7,7 +7,7 @@
    attention-function registry): :mod:`lightning_parallel.anatomy.hugging_face`;
 4. the block's own forward, where the user named what it lacks (``tp_plan=``, ``mlp_module=``);
 5. the block's graph, traced on the first real input: :mod:`lightning_parallel.anatomy.traced`;
-6. otherwise an :class:`~lightning_parallel.anatomy.base.AnatomyError` naming the block class, every
+6. otherwise an :class:`~lightning_parallel.block_protocol.AnatomyError` naming the block class, every
    source tried, why each failed, and ``adapter=``.
 
 The first block of a trunk decides the source; the trunk's other blocks use the same one (each still
@@ -22,8 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
-from lightning_parallel.anatomy.base import AnatomyError, ConfigurationError, Split, Unsupported
 from lightning_parallel.anatomy.verify import plain_gradients, verify
+from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Split, Unsupported
 
 SOURCES = ("adapters", "hugging_face", "own_forward", "traced")
 

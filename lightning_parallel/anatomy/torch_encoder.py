@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_parallel.anatomy.base import PLAIN, QKV, AttentionCall, Call, State
+from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, State
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, call: Call) -> Tensor:

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.base import ConfigurationError
+from lightning_parallel.block_protocol import ConfigurationError
 
 TOLERANCE = dict(rtol=1e-9, atol=1e-10)
 # a block that computes in float32 on its own (e.g. a norm that casts to float32) rounds at float32 precision
@@ -69,7 +69,7 @@ def float64_copy(block: nn.Module) -> nn.Module:
 def stand_in_copy(block: nn.Module) -> nn.Module:
     """A float64 copy of ``block`` for tracing, holding no data (each parameter one element broadcast to its
     shape; a DTensor parameter its global shape), without the block layer's runner and chunked MLP."""
-    from lightning_parallel.recompute import unchunk_mlps
+    from lightning_parallel.mlp_chunks import unchunk_mlps
 
     def empty(t: Tensor) -> Tensor:  # no memory: one element broadcast to the shape, on the tensor's device
         dtype = torch.float64 if t.is_floating_point() else t.dtype

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.base import Split
+from lightning_parallel.block_protocol import Split
 from lightning_parallel.pipeline.capture import substitute, wrap_output
 from lightning_parallel.pipeline.helix_schedule import attention_stage
 from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext, detached

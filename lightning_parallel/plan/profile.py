@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.base import AnatomyError, Split
 from lightning_parallel.anatomy.resolve import verified_split
-from lightning_parallel.blocks import BlockConfig
+from lightning_parallel.block_protocol import AnatomyError, Split
+from lightning_parallel.blocks import BlockConfig, apply_recompute
 from lightning_parallel.memory import kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,
@@ -49,7 +49,6 @@ from lightning_parallel.pipeline.capture import (
 )
 from lightning_parallel.pipeline.split_backward import backward_input
 from lightning_parallel.plan.costs import HELIX_PARTS, PLANNED_POLICIES, BlockCosts, Sample, fitted, median
-from lightning_parallel.recompute import apply_recompute
 from lightning_parallel.trunk import Trunk, discover_trunk
 
 

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.base import ConfigurationError
+from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP
 from lightning_parallel.strategies import _sharding

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.base import ConfigurationError
+from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.materialize import _direct, check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP

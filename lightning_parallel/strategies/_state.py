@@ -191,7 +191,7 @@ class StateMixin:
         """The whole model's state dict by original name, on global rank 0 (``{}`` on the other ranks):
         tensor-parallel shards gathered, the blocks of other pipeline stages received. A collective: call it
         on every rank, e.g. after ``trainer.fit`` (the in-memory module then holds only this rank's part)."""
-        from lightning_parallel.strategies._partial import partial_allowed
+        from lightning_parallel.partial import partial_allowed
 
         self.materialize_deferred()
         lm, layout = self.lightning_module, self._tp_layout  # type: ignore[attr-defined]

@@ -15,9 +15,6 @@ layout and, with gradient accumulation, runs once per optimizer step rather than
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import sys
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -28,50 +25,39 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel import recompute as recompute_lib
-from lightning_parallel.anatomy.base import ConfigurationError
-from lightning_parallel.anatomy.families import packed_batch_note, prepare_model
-from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
-from lightning_parallel.materialize import check_set, materialize_
-from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
+from lightning_parallel.anatomy.families import packed_batch_note
+from lightning_parallel.blocks import BlockLayer
+from lightning_parallel.mesh import DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.recompute import Policy
-from lightning_parallel.sequence_parallel import MODES, SequenceParallelLayout
-from lightning_parallel.strategies import _failures, _partial, _sharding
+from lightning_parallel.sequence_parallel import MODES
+from lightning_parallel.strategies import _failures, _sharding
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
-from lightning_parallel.strategies._full_shard import check_full
 from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper
-from lightning_parallel.strategies._optimizers import Replaced, avoid_mixed_foreach, drop_parameters, replace_parameters
-from lightning_parallel.strategies._pending import PendingBlocksMixin, pending_blocks
+from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
+from lightning_parallel.strategies._pending import PendingBlocksMixin
+from lightning_parallel.strategies._processes import ProcessesMixin
+from lightning_parallel.strategies._recipe import SetupRecipeMixin
 from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.strategies._tensor import TensorParallelMixin
-from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
-from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
+from lightning_parallel.trunk import discover_trunk, materialised_to
 
 log = logging.getLogger(__name__)
-
-#: the exit code of a job stopped by SIGTERM, on every strategy (128 + the signal's number, as a shell reports it)
-SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
 def _blocks_of(module: LightningModule, path: Optional[str]) -> list[torch.nn.Module]:
@@ -88,6 +74,8 @@ class HybridParallelStrategy(
     StateMixin,
     TensorParallelMixin,
     SequenceParallelMixin,
+    SetupRecipeMixin,
+    ProcessesMixin,
     ParallelStrategy,
 ):
     """Data and tensor parallelism over a named ``(dp, pp, sp, tp)`` mesh; the base of the other strategies.
@@ -252,139 +240,6 @@ class HybridParallelStrategy(
         self._dims: Optional[ParallelDims] = None
         self._mesh: Optional[DeviceMesh] = None
 
-    # ----------------------------------------------------------------- topology
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def is_distributed(self) -> bool:
-        # Lightning asks custom strategies this to decide whether to inject a DistributedSampler
-        return True
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        """The resolved layout; available once the Trainer has configured this strategy."""
-        if self._dims is None:
-            self._dims = ParallelDims.resolve(self.num_nodes * self.num_processes, **self._sizes)
-        return self._dims
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The ``(dp, pp, sp, tp)`` mesh; available after ``setup_environment``."""
-        if self._mesh is None:
-            raise RuntimeError("the device mesh is built in `setup_environment`; it does not exist yet")
-        return self._mesh
-
-    @property
-    def dp_group(self) -> Optional[dist.ProcessGroup]:
-        return self._mesh.get_group(DP) if self._mesh is not None else None
-
-    @property
-    def pp_group(self) -> Optional[dist.ProcessGroup]:
-        return self._mesh.get_group(PP) if self._mesh is not None else None
-
-    @property
-    def coordinate(self) -> dict[str, int]:
-        """This rank's (dp, pp, sp, tp) coordinate."""
-        return self.parallel_dims.coordinate(self.global_rank)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of one replica (all its pp/sp/tp ranks) must see the same batch
-        return {"num_replicas": self.parallel_dims.dp, "rank": self.coordinate[DP]}
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-
-    # ------------------------------------------------------------- environment
-    @override
-    def _configure_launcher(self) -> None:
-        # Resolve (and so validate) the layout now, when the Trainer is built, before any process starts.
-        self._dims = None
-        dims = self.parallel_dims
-        self._refuse_unused(dims)
-        if self._dp_sharding == "full" and dims.dp > 1:
-            check_full(self.strategy_name, dims.tp, dims.sp, self._cuts_blocks)
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            environment = self.cluster_environment
-            self._launcher = _failures.NamingScriptLauncher(environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    def _refuse_unused(self, dims: ParallelDims) -> None:
-        """Every argument given must take effect in the resolved layout (an ignored one is an error)."""
-        needs = {
-            "tp_plan": ("tensor_parallel_size", dims.tp),
-            "tp_sequence_parallel": ("tensor_parallel_size", dims.tp),
-            "vocabulary_parallel": ("tensor_parallel_size", dims.tp),
-            "sequence_parallel_mode": ("sequence_parallel_size", dims.sp),
-            "data_parallel_sharding": ("data_parallel_size", dims.dp),
-        }
-        for arg, (size_arg, size) in needs.items():
-            if self._given.get(arg) and size == 1:
-                raise ValueError(
-                    f"{arg} was given, but {size_arg} resolves to 1 in the layout {dims}, so it would have no"
-                    f" effect; set {size_arg} > 1 or drop {arg}"
-                )
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        dims = self.parallel_dims  # validated before the first collective
-        if self.cluster_environment is not None and self.cluster_environment.world_size() != dims.world_size:
-            raise ValueError(
-                f"the layout {dims} needs {dims.world_size} processes, but the cluster environment reports"
-                f" world size {self.cluster_environment.world_size()}"
-            )
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self._mesh = dims.build_mesh(self.root_device.type)
-        self._peers = _collectives.all_gather_object(_failures.whoami())  # to name a rank that dies
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """A connection error caused by a peer that died: say which, first (its traceback never comes)."""
-        peers = getattr(self, "_peers", None)
-        if peers and _failures.is_connection_failure(exception):
-            line = _failures.dead_peers_line(peers, self.global_rank)
-            if line:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        else:
-            _failures.mark_raised(peers, self.global_rank)
-        if isinstance(exception, SIGTERMException):  # a SystemExit with no code: Lightning's jobs would exit 0
-            exception.code = SIGTERM_EXIT_CODE
-            if self.world_size > 1:  # leave now, as the pipeline does: an interpreter exit with the process
-                # group's threads alive sometimes ends in std::terminate (exit -6 instead of 143)
-                sys.stderr.write(f"[rank {self.global_rank}] stopped by SIGTERM (exit code {SIGTERM_EXIT_CODE})\n")
-                sys.stderr.flush()
-                sys.stdout.flush()
-                os._exit(SIGTERM_EXIT_CODE)
-        super().on_exception(exception)
-
     @override
     def setup(self, trainer: Trainer) -> None:
         lm = self.lightning_module
@@ -421,168 +276,6 @@ class HybridParallelStrategy(
             self.states_to_device()  # Lightning's _optimizers_to_device, not for the blocks kept on the host
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
-
-    def _check_module(self, lm: LightningModule) -> None:
-        """Refuse what this strategy cannot run (before anything is placed)."""
-
-    # ------------------------------------------------------------------------------ the recipe
-    def _parallelize(self, lm: LightningModule) -> None:
-        """The set-up recipe, once for every strategy: find the trunk, prepare the model family, place the
-        stages (a hook: all blocks here), then give the blocks this rank runs their composed stack
-        (:mod:`lightning_parallel.blocks`: tensor, sequence parallelism, chunked MLP, recomputation)."""
-        _partial.unguard(lm)  # set up again after a fit: the module is whole to the strategy once more
-        config = self._block_config()
-        self._cache_off += prepare_model(lm)  # every layout trains the same model (anatomy/families.py)
-        if not (config.needs_anatomy or config.recompute != "none" or config.offload or self._needs_trunk()):
-            self.model_to_device()
-            self._materialize(lm, [], None)
-            return  # data parallelism alone: the model needs no trunk
-        # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
-        first = self._blocks is None
-        trunk = self._blocks.trunk if self._blocks is not None else discover_trunk(lm, self._trunk_path)
-        local, freed = self._place_stages(lm, trunk)
-        if first:
-            # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
-            # stay on meta, or on the host, until then (:meth:`materialize_pending`): set-up holds this rank's
-            # share only
-            self._pending = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
-        self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
-        if first:
-            vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
-            # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
-            # so set-up never holds the whole embedding and every block at once
-            self._materialize(lm, [*freed, *self._pending, *(trunk.blocks if vocabulary else [])], trunk)
-            if vocabulary:
-                sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
-                rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
-                self._materialize(lm, [*freed, *self._pending], trunk)
-            self._placed(lm, trunk)
-            self._hook_pending()
-            layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
-            self._blocks = layer.install(local)
-
-    def _materialize(self, lm: LightningModule, freed: list[torch.nn.Module], trunk: Optional[Trunk]) -> None:
-        """Deferred initialisation (:mod:`lightning_parallel.materialize`) of what this rank holds, seeded by
-        rank 0's seed; whether every tensor got a value is checked when training or evaluation starts (after
-        Lightning has restored any checkpoint). A failure on any rank is raised on every rank. Under full
-        sharding a deferred model is materialised and sharded one unit at a time (a block, an embedding)."""
-        message = None
-        seed = self._init_seed = self._seed()
-        try:
-            self._fully_shard_deferred(lm, freed, trunk, seed)
-            self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed))
-            self._check_due = True
-        except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
-            message = f"deferred initialisation failed: {type(err).__name__}: {err}"
-        self._raise_on_every_rank(message)
-
-    def _check_materialized(self) -> None:
-        if not self._check_due:  # the same on every rank (records can be added on one rank alone, e.g. a state
-            return  # dict read on rank 0 materialising pending blocks)
-        self._check_due = False
-        message = None
-        for record in self._materialized:
-            message = message or check_set(record)
-        self._materialized = []
-        self._raise_on_every_rank(message)
-
-    def _raise_on_every_rank(self, message: Optional[str]) -> None:
-        messages = _collectives.all_gather_object(message)
-        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-        if failed:
-            rank, text = failed[0]
-            raise ConfigurationError(f"{text} (rank {rank})" if len({m for _, m in failed}) > 1 else text)
-
-    def _seed(self) -> int:
-        """Rank 0's seed (``seed_everything``'s, or the process's own): every rank initialises alike."""
-        return int(_collectives.broadcast_object(torch.initial_seed(), 0, None))
-
-    def _shard_outer(self, lm: LightningModule) -> None:
-        """After the set-up broadcast, before the optimizers: the pipeline strategies store the parameters
-        outside the trunk in shards over the stages (:mod:`lightning_parallel.strategies._stage_local`)."""
-
-    def _placed(self, lm: LightningModule, trunk: Trunk) -> None:
-        """After placement and materialisation, before the block layer (the pipeline reports its layout)."""
-
-    def _needs_trunk(self) -> bool:
-        return False
-
-    def _place_stages(
-        self, lm: LightningModule, trunk: Trunk
-    ) -> tuple[list[tuple[int, torch.nn.Module]], list[torch.nn.Module]]:
-        """The ``(index, block)`` pairs this rank runs through the block layer, and the blocks it freed
-        (every block runs here, none is freed; the pipeline places stages)."""
-        return list(enumerate(trunk.blocks)), []
-
-    def _block_config(self) -> BlockConfig:
-        dims, mesh = self.parallel_dims, self._mesh
-        return BlockConfig(
-            tp_mesh=mesh[TP] if dims.tp > 1 and mesh is not None else None,
-            tp_plan=self._tp_plan,
-            tp_sequence_parallel=self._tp_sequence_parallel,
-            sp_mesh=mesh[SP] if dims.sp > 1 and mesh is not None else None,
-            sp_mode=self._sp_mode,
-            adapter=self._adapter_arg,
-            **self._recompute,
-        )
-
-    @property
-    def _tp_layout(self) -> Optional[TensorParallelLayout]:
-        return self._blocks.layouts.tp if self._blocks is not None else None
-
-    @property
-    def _sp_layout(self) -> Optional[SequenceParallelLayout]:
-        return self._blocks.layouts.sp if self._blocks is not None else None
-
-    def _replace_parameters(self, replaced: Replaced) -> None:
-        replace_parameters(self.optimizers, replaced, self._in_memory)
-
-    def _sync_module_states(self, module: torch.nn.Module) -> None:
-        """Make every rank start from the values of rank 0 for what they hold in common (as DDP does for
-        replicas): a model initialised without a common seed differs between processes, and the sequence-
-        and tensor-parallel ranks (before sharding) and the pipeline stages (the pre/post-trunk part) each
-        compute with their own copy. Along dp, sp and tp everything is broadcast from coordinate 0 (tensor-
-        parallel shards only along dp and sp); along pp what every stage holds (:meth:`_shared_over_pp`)."""
-        if self._mesh is None:
-            return
-        host = self._host_tensors()  # eager blocks kept on the host: broadcast one at a time, below
-        held = [t for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta" and id(t) not in host]
-        dims = self.parallel_dims
-        for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
-            if size > 1:
-                # a DTensor is a shard along tp, and along dp under full sharding (FSDP's)
-                sharded_along = axis == TP or (axis == DP and self._fully_sharded)
-                tensors = [local(t.data) for t in held if not (sharded_along and isinstance(t, DTensor))]
-                _collectives.broadcast_(tensors, self._mesh.get_group(axis))
-        if dims.pp > 1:
-            shared = [t for t in self._shared_over_pp(module) if id(t) not in host]
-            _collectives.broadcast_([local(t.data) for t in shared], self.pp_group)
-        self._sync_host_blocks()
-
-    def _shared_over_pp(self, module: torch.nn.Module) -> list[Tensor]:
-        """The tensors every pipeline stage holds: those outside the trunk's blocks."""
-        if self._blocks is None:
-            return []
-        in_blocks = {id(t) for b in self._blocks.trunk.blocks for t in [*b.parameters(), *b.buffers()]}
-        return [t for t in module.state_dict(keep_vars=True).values() if id(t) not in in_blocks and not t.is_meta]
-
-    @override
-    def model_to_device(self) -> None:
-        """Move what is materialised: freed blocks, deferred (meta) tensors and the eager blocks kept on the host
-        until their first call stay where they are."""
-        assert self.model is not None
-        materialised_to(self.model, self.root_device, skip=self._host_tensors())
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
-        """``Trainer.init_module(empty_init=True)`` builds on the meta device; set-up materialises and
-        initialises only what each rank holds (:mod:`lightning_parallel.materialize`)."""
-        if not empty_init:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
-            yield
 
     # ---------------------------------------------------------------- training
     @override

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
+from lightning_parallel import partial as _partial
 from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import PP, Size, check_size
@@ -50,7 +51,7 @@ from lightning_parallel.pipeline.schedules import (
     placement_style,
     simulate,
 )
-from lightning_parallel.strategies import _failures, _partial
+from lightning_parallel.strategies import _failures
 from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
@@ -60,8 +61,9 @@ from lightning_parallel.strategies._logging import (
     restore_metrics,
     snapshot_metrics,
 )
+from lightning_parallel.strategies._processes import SIGTERM_EXIT_CODE
 from lightning_parallel.strategies._stage_local import StageLocalMixin
-from lightning_parallel.strategies.hybrid import SIGTERM_EXIT_CODE, HybridParallelStrategy
+from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from examples.models.gpt import Block
+from lightning_parallel.blocks import apply_recompute
 from lightning_parallel.memory import LiveTensorTracker
-from lightning_parallel.recompute import apply_recompute, attention_ops
+from lightning_parallel.recompute import attention_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

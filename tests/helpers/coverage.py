@@ -1,5 +1,5 @@
 """The coverage matrix: strategy columns, and one cell's run (parity with one process, or the clear error a
-configuration gets), shared by the matrix test, the adapters-off test and the README table."""
+configuration gets), shared by the matrix test, the adapters-off test and docs/coverage.md."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ COLUMN_TITLES = {
     "hybrid": "hybrid dp=2, no_attention, mlp_chunks=2",
 }
 # the library's own errors: a cell that fails must end with one of these, never an internal traceback
-CLEAR = re.compile(r"lightning_parallel\.anatomy\.base\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
+CLEAR = re.compile(r"lightning_parallel\.block_protocol\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
 
 
 @dataclass

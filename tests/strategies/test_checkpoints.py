@@ -209,7 +209,10 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         ("dp2zero", "pp2dp2full"),
         ("tp2", "pp2"),  # the embedding and head: vocabulary shards -> shards over the stages
         pytest.param("pp2dp2full", "tp2", marks=pytest.mark.slow),  # dp2zero -> pp2dp2full, dp2zero -> tp2 fast
-        ("pp2", "auto"),  # Lightning's own strategy resumes from the directory (lightning_parallel._loading)
+        (
+            "pp2",
+            "auto",
+        ),  # Lightning's own strategy resumes from the directory (lightning_parallel.lightning_patches.loading)
     ],  # fmt: skip
 )
 def test_resume_under_another_layout_restores_model_and_optimizer_state(source, target, tmp_path):

@@ -7,7 +7,7 @@ one home-written block and the packed example Llama run every column in the fast
 slow.
 
 ``bash scripts/test.sh -m "" tests/strategies/test_coverage.py --coverage-table docs/coverage.md`` writes the
-table the README shows."""
+table the README links."""
 
 from __future__ import annotations
 

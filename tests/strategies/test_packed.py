@@ -98,7 +98,7 @@ def _ring_against_sdpa(rank, world_size, lengths):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_parallel import ring_attention
-    from lightning_parallel.anatomy.base import AttentionCall
+    from lightning_parallel.block_protocol import AttentionCall
     from lightning_parallel.sequence_parallel import SequenceShard, attend, balanced_chunks
 
     g = torch.Generator().manual_seed(0)
@@ -186,8 +186,8 @@ def test_flash_attention_documents_are_refused_under_sequence_parallelism():
     builds no mask; a sequence shard of that call would attend across documents, so it is refused."""
     import transformers
 
-    from lightning_parallel.anatomy.base import ConfigurationError
     from lightning_parallel.anatomy.hugging_face import HuggingFaceAnatomy
+    from lightning_parallel.block_protocol import ConfigurationError
 
     config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
     block = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0)

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.models import GPT, EncoderClassifier, Llama
+from lightning_parallel.blocks import apply_recompute
 from lightning_parallel.memory import LiveTensorTracker, kept_for_backward
-from lightning_parallel.recompute import POLICIES, apply_recompute
+from lightning_parallel.recompute import POLICIES
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default

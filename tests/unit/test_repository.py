@@ -4,6 +4,7 @@ outside the repository)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -31,3 +32,74 @@ def test_code_and_design_notes_cite_only_what_the_repository_holds():
         if CITATION.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """module -> the package's modules it imports, anywhere in its body (function-level imports too), with the
+    packages whose ``__init__`` such an import runs (a module's own parent packages excepted)."""
+    package = ROOT / "lightning_parallel"
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (
+                    ".".join(here[: len(here) - node.level + 1] + [node.module or ""]).strip(".")
+                    if node.level
+                    else node.module
+                )
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                for i in range(2, len(parts) + 1):
+                    name = ".".join(parts[:i])
+                    if name in modules and name != module and not module.startswith(name + "."):
+                        edges[module].add(name)
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (as a path that returns to its start), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(edges[module]):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (found := visit(target)) is not None:
+                return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(edges):
+        if module not in state and (found := visit(module)) is not None:
+            return found
+    return None
+
+
+def test_the_package_imports_form_no_circle():
+    """The layers read bottom-up (collectives, mesh, trunk, the block-call protocol and the parallel mechanics,
+    anatomy, block layer, runtimes, strategies): no module imports, even inside a function, one that imports it
+    back."""
+    edges = _package_imports()
+    assert "lightning_parallel.mlp_chunks" in edges["lightning_parallel.anatomy.adapters"]  # a function-level import
+    assert len(edges) > 50, sorted(edges)
+    cycle = _cycle(edges)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

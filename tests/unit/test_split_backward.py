@@ -7,9 +7,10 @@ import copy
 import pytest
 import torch
 
+from lightning_parallel.blocks import apply_recompute
 from lightning_parallel.memory import LiveTensorTracker
 from lightning_parallel.pipeline.split_backward import backward_input
-from lightning_parallel.recompute import POLICIES, apply_recompute
+from lightning_parallel.recompute import POLICIES
 from lightning_parallel.trunk import discover_trunk
 from tests.unit.test_recompute import FLASH, TOL, _batch, _grads, _loss, _model
 

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_parallel.anatomy.base import Split, Unsupported
 from lightning_parallel.anatomy.traced.analysis import Site, analyse
 from lightning_parallel.anatomy.traced.program import Program, trace
+from lightning_parallel.block_protocol import Split, Unsupported
 
 
 def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> TracedAnatomy:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from lightning_parallel.anatomy.base import Unsupported
 from lightning_parallel.anatomy.traced.program import Program
+from lightning_parallel.block_protocol import Unsupported
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from lightning_parallel.anatomy.base import Unsupported
+from lightning_parallel.block_protocol import Unsupported
 
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {name: (owning module, attribute)}
 

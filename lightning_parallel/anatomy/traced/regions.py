@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_unflatten
 
-from lightning_parallel.anatomy.base import ConfigurationError, Split, Unsupported
 from lightning_parallel.anatomy.traced.analysis import Site, expr_of
 from lightning_parallel.anatomy.traced.labels import _ELEMENTWISE, _IDENTITY, projections
 from lightning_parallel.anatomy.traced.program import Program, _buffer, _param
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
+from lightning_parallel.block_protocol import ConfigurationError, Split, Unsupported
 
 _DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
 # taking parts of a fused MLP input (gate | up) along its features: still token-wise

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from lightning_parallel.anatomy.base import AttentionCall, Unsupported
 from lightning_parallel.anatomy.traced.analysis import SDPA, Site, expr_of
 from lightning_parallel.anatomy.traced.program import Program
 from lightning_parallel.anatomy.traced.rewrite import rewrite
+from lightning_parallel.block_protocol import AttentionCall, Unsupported
 
 aten = torch.ops.aten
 

@@ -36,11 +36,11 @@ from torch import Tensor, fx, nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.base import ConfigurationError, Unsupported
 from lightning_parallel.anatomy.traced.analysis import attention_nodes
 from lightning_parallel.anatomy.traced.labels import _MOVE, Labels, Projection, _hint, _shape, base, label, projections
 from lightning_parallel.anatomy.traced.program import Program
 from lightning_parallel.anatomy.traced.rewrite import rewrite
+from lightning_parallel.block_protocol import ConfigurationError, Unsupported
 
 aten = torch.ops.aten
 

@@ -1,6 +1,8 @@
-"""The vocabulary every anatomy speaks: a block's split into pre-attention / attention / post-attention
-(HelixPipe, Zhang et al., arXiv 2507.00394, §2.1), the attention call's parameters, and how a source
-of anatomy says "not me".
+"""The block-call protocol: how a block is called (its own forward, an argument by name or position), its split
+into pre-attention / attention / post-attention (HelixPipe, Zhang et al., arXiv 2507.00394, §2.1), the attention
+call's parameters, and the errors a source of anatomy or a configuration raises. The vocabulary every anatomy
+speaks; it imports nothing of this package, so the mechanics below the anatomy (tensor and sequence
+parallelism, recomputation) and the anatomy and block layer above them all use it.
 
 ``post(attention(pre(x)))`` must equal ``block(x)``:
 
@@ -103,3 +105,13 @@ class Split:
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         (q, k, v), state = self.pre(block, x, args, kwargs)
         return self.post(block, self.attention(block, q, k, v, args, kwargs), state, args, kwargs)
+
+
+class OwnForward:
+    """The block's own (class) forward."""
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
+        return type(block).forward(block, x, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> OwnForward:
+        return self

@@ -1,0 +1,197 @@
+"""The set-up recipe of every lightning-parallel strategy, once: find the trunk, prepare the model family, place
+the stages (a hook: the pipeline strategies place them, data parallelism runs every block here), move what
+this rank holds to the device, materialise the rest (deferred initialisation), then give the blocks this rank
+runs their composed stack (:mod:`lightning_parallel.blocks`). Also: rank 0's values broadcast to the ranks that
+hold a tensor in common, and an error raised on every rank alike (docs/design.md, "Deferred initialisation").
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_parallel import _collectives
+from lightning_parallel import partial as _partial
+from lightning_parallel.anatomy.families import prepare_model
+from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
+from lightning_parallel.materialize import check_set, materialize_
+from lightning_parallel.mesh import DP, SP, TP
+from lightning_parallel.sequence_parallel import SequenceParallelLayout
+from lightning_parallel.strategies._optimizers import Replaced, replace_parameters
+from lightning_parallel.strategies._pending import pending_blocks
+from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
+from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
+
+
+class SetupRecipeMixin:
+    """The set-up recipe of :class:`~lightning_parallel.HybridParallelStrategy` (module docstring); the pipeline
+    strategies override its hooks ``_place_stages``, ``_placed``, ``_shard_outer`` and ``_needs_trunk``."""
+
+    def _check_module(self, lm: LightningModule) -> None:
+        """Refuse what this strategy cannot run (before anything is placed)."""
+
+    def _parallelize(self, lm: LightningModule) -> None:
+        """The set-up recipe, once for every strategy: find the trunk, prepare the model family, place the
+        stages (a hook: all blocks here), then give the blocks this rank runs their composed stack
+        (:mod:`lightning_parallel.blocks`: tensor, sequence parallelism, chunked MLP, recomputation)."""
+        _partial.unguard(lm)  # set up again after a fit: the module is whole to the strategy once more
+        config = self._block_config()
+        self._cache_off += prepare_model(lm)  # every layout trains the same model (anatomy/families.py)
+        if not (config.needs_anatomy or config.recompute != "none" or config.offload or self._needs_trunk()):
+            self.model_to_device()
+            self._materialize(lm, [], None)
+            return  # data parallelism alone: the model needs no trunk
+        # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
+        first = self._blocks is None
+        trunk = self._blocks.trunk if self._blocks is not None else discover_trunk(lm, self._trunk_path)
+        local, freed = self._place_stages(lm, trunk)
+        if first:
+            # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
+            # stay on meta, or on the host, until then (:meth:`materialize_pending`): set-up holds this rank's
+            # share only
+            self._pending = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
+        self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
+        if first:
+            vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
+            # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
+            # so set-up never holds the whole embedding and every block at once
+            self._materialize(lm, [*freed, *self._pending, *(trunk.blocks if vocabulary else [])], trunk)
+            if vocabulary:
+                sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
+                rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
+                self._materialize(lm, [*freed, *self._pending], trunk)
+            self._placed(lm, trunk)
+            self._hook_pending()
+            layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
+            self._blocks = layer.install(local)
+
+    def _materialize(self, lm: LightningModule, freed: list[torch.nn.Module], trunk: Optional[Trunk]) -> None:
+        """Deferred initialisation (:mod:`lightning_parallel.materialize`) of what this rank holds, seeded by
+        rank 0's seed; whether every tensor got a value is checked when training or evaluation starts (after
+        Lightning has restored any checkpoint). A failure on any rank is raised on every rank. Under full
+        sharding a deferred model is materialised and sharded one unit at a time (a block, an embedding)."""
+        message = None
+        seed = self._init_seed = self._seed()
+        try:
+            self._fully_shard_deferred(lm, freed, trunk, seed)
+            self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed))
+            self._check_due = True
+        except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
+            message = f"deferred initialisation failed: {type(err).__name__}: {err}"
+        self._raise_on_every_rank(message)
+
+    def _check_materialized(self) -> None:
+        if not self._check_due:  # the same on every rank (records can be added on one rank alone, e.g. a state
+            return  # dict read on rank 0 materialising pending blocks)
+        self._check_due = False
+        message = None
+        for record in self._materialized:
+            message = message or check_set(record)
+        self._materialized = []
+        self._raise_on_every_rank(message)
+
+    def _raise_on_every_rank(self, message: Optional[str]) -> None:
+        messages = _collectives.all_gather_object(message)
+        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+        if failed:
+            rank, text = failed[0]
+            raise ConfigurationError(f"{text} (rank {rank})" if len({m for _, m in failed}) > 1 else text)
+
+    def _seed(self) -> int:
+        """Rank 0's seed (``seed_everything``'s, or the process's own): every rank initialises alike."""
+        return int(_collectives.broadcast_object(torch.initial_seed(), 0, None))
+
+    def _shard_outer(self, lm: LightningModule) -> None:
+        """After the set-up broadcast, before the optimizers: the pipeline strategies store the parameters
+        outside the trunk in shards over the stages (:mod:`lightning_parallel.strategies._stage_local`)."""
+
+    def _placed(self, lm: LightningModule, trunk: Trunk) -> None:
+        """After placement and materialisation, before the block layer (the pipeline reports its layout)."""
+
+    def _needs_trunk(self) -> bool:
+        return False
+
+    def _place_stages(
+        self, lm: LightningModule, trunk: Trunk
+    ) -> tuple[list[tuple[int, torch.nn.Module]], list[torch.nn.Module]]:
+        """The ``(index, block)`` pairs this rank runs through the block layer, and the blocks it freed
+        (every block runs here, none is freed; the pipeline places stages)."""
+        return list(enumerate(trunk.blocks)), []
+
+    def _block_config(self) -> BlockConfig:
+        dims, mesh = self.parallel_dims, self._mesh
+        return BlockConfig(
+            tp_mesh=mesh[TP] if dims.tp > 1 and mesh is not None else None,
+            tp_plan=self._tp_plan,
+            tp_sequence_parallel=self._tp_sequence_parallel,
+            sp_mesh=mesh[SP] if dims.sp > 1 and mesh is not None else None,
+            sp_mode=self._sp_mode,
+            adapter=self._adapter_arg,
+            **self._recompute,
+        )
+
+    @property
+    def _tp_layout(self) -> Optional[TensorParallelLayout]:
+        return self._blocks.layouts.tp if self._blocks is not None else None
+
+    @property
+    def _sp_layout(self) -> Optional[SequenceParallelLayout]:
+        return self._blocks.layouts.sp if self._blocks is not None else None
+
+    def _replace_parameters(self, replaced: Replaced) -> None:
+        replace_parameters(self.optimizers, replaced, self._in_memory)
+
+    def _sync_module_states(self, module: torch.nn.Module) -> None:
+        """Make every rank start from the values of rank 0 for what they hold in common (as DDP does for
+        replicas): a model initialised without a common seed differs between processes, and the sequence-
+        and tensor-parallel ranks (before sharding) and the pipeline stages (the pre/post-trunk part) each
+        compute with their own copy. Along dp, sp and tp everything is broadcast from coordinate 0 (tensor-
+        parallel shards only along dp and sp); along pp what every stage holds (:meth:`_shared_over_pp`)."""
+        if self._mesh is None:
+            return
+        host = self._host_tensors()  # eager blocks kept on the host: broadcast one at a time, below
+        held = [t for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta" and id(t) not in host]
+        dims = self.parallel_dims
+        for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
+            if size > 1:
+                # a DTensor is a shard along tp, and along dp under full sharding (FSDP's)
+                sharded_along = axis == TP or (axis == DP and self._fully_sharded)
+                tensors = [local(t.data) for t in held if not (sharded_along and isinstance(t, DTensor))]
+                _collectives.broadcast_(tensors, self._mesh.get_group(axis))
+        if dims.pp > 1:
+            shared = [t for t in self._shared_over_pp(module) if id(t) not in host]
+            _collectives.broadcast_([local(t.data) for t in shared], self.pp_group)
+        self._sync_host_blocks()
+
+    def _shared_over_pp(self, module: torch.nn.Module) -> list[Tensor]:
+        """The tensors every pipeline stage holds: those outside the trunk's blocks."""
+        if self._blocks is None:
+            return []
+        in_blocks = {id(t) for b in self._blocks.trunk.blocks for t in [*b.parameters(), *b.buffers()]}
+        return [t for t in module.state_dict(keep_vars=True).values() if id(t) not in in_blocks and not t.is_meta]
+
+    @override
+    def model_to_device(self) -> None:
+        """Move what is materialised: freed blocks, deferred (meta) tensors and the eager blocks kept on the host
+        until their first call stay where they are."""
+        assert self.model is not None
+        materialised_to(self.model, self.root_device, skip=self._host_tensors())
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
+        """``Trainer.init_module(empty_init=True)`` builds on the meta device; set-up materialises and
+        initialises only what each rank holds (:mod:`lightning_parallel.materialize`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
