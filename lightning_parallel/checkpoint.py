@@ -161,13 +161,16 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, META_FILE))
 
 
-def load_sharded(path: str | os.PathLike, held: Iterable[str] | None = None) -> dict[str, Any]:
+def load_sharded(
+    path: str | os.PathLike, held: Iterable[str] | None = None, weights_only: bool | None = None
+) -> dict[str, Any]:
     """Lightning's checkpoint dict from a sharded directory: the model and every optimizer's state, keyed by
     parameter name (``"lp_format"`` marks it). Reads on this process only, no collectives.
 
     ``held``: the state-dict names this rank holds; then only their tensors (model and optimizer state) are
     read, through DCP's planner with the keys requested, and ``"lp_state_keys"`` lists every model key the
-    checkpoint has (for strict loading)."""
+    checkpoint has (for strict loading). ``weights_only`` applies to the loops', callbacks' and hyper-parameters'
+    part (``lightning.pt``) as ``torch.load`` applies it to a plain checkpoint file (``None``: torch's default)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a sharded checkpoint directory")
@@ -176,7 +179,7 @@ def load_sharded(path: str | os.PathLike, held: Iterable[str] | None = None) -> 
             f"{path!r} is not a complete lightning-parallel checkpoint: it has no {META_FILE} (an interrupted"
             f" save leaves '<path>.partial'; the last complete checkpoint is the one without the suffix)"
         )
-    meta = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=False)
+    meta = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=weights_only)
     if meta.get("lp_format") != FORMAT:
         raise CheckpointError(f"{path!r}: unknown checkpoint format {meta.get('lp_format')!r}, expected {FORMAT!r}")
     keys = None

@@ -29,7 +29,7 @@ def _wrap(original: Any) -> Any:
                     f" {_checkpoint.META_FILE}); an interrupted save leaves '<path>.partial'. A complete one converts"
                     " to a single file with: python -m lightning_parallel.export <dir> <file.ckpt>"
                 )
-            plain = _checkpoint.to_plain(_checkpoint.load_sharded(path_or_url))
+            plain = _checkpoint.to_plain(_checkpoint.load_sharded(path_or_url, weights_only=weights_only))
             if isinstance(map_location, (str, torch.device)):
                 plain = tree_map(lambda t: t.to(map_location) if isinstance(t, torch.Tensor) else t, plain)
             return plain

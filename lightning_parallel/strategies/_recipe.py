@@ -7,6 +7,7 @@ hold a tensor in common, and an error raised on every rank alike (docs/design.md
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -29,6 +30,15 @@ from lightning_parallel.strategies._optimizers import Replaced, replace_paramete
 from lightning_parallel.strategies._pending import pending_blocks
 from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
 from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
+
+_LOADED_ON_META = (
+    "configure_model runs on the meta device under lightning-parallel's strategies (each rank then materialises"
+    " only what it holds), so weights loaded there by {what} would be lost. Build the model there without weights"
+    " (e.g. AutoModelForCausalLM.from_config) and load them after set-up with"
+    " lightning_parallel.load_pretrained(self.model, directory, self.trainer) in on_fit_start (each rank reads"
+    " its share), or restore a checkpoint with ckpt_path=; or pass configure_model_on_meta=False to the strategy"
+    " (every rank then builds and loads the whole model in configure_model)"
+)
 
 
 class SetupRecipeMixin:
@@ -195,3 +205,28 @@ class SetupRecipeMixin:
             return
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Any:
+        """Around ``configure_model``: the meta device (unless ``configure_model_on_meta=False``), so a module
+        built there without any device context never exists whole; set-up materialises each rank's share.
+        Weights loaded there would be lost on meta, so a load is refused, naming the ways that work:
+        transformers' ``from_pretrained`` raises under a meta device (said here again with them), and a
+        ``load_state_dict`` into meta parameters (torch warns that it is a no-op) is turned into the error."""
+        if not self._configure_on_meta:
+            yield
+            return
+        with torch.device("meta"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            except RuntimeError as err:
+                if "from_pretrained" in str(err) and "meta" in str(err):
+                    raise ConfigurationError(_LOADED_ON_META.format(what="from_pretrained")) from err
+                raise
+        lost = [w for w in caught if "is a no-op" in str(w.message) and "meta" in str(w.message)]
+        for w in caught:
+            if w not in lost:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if lost:
+            raise ConfigurationError(_LOADED_ON_META.format(what="load_state_dict"))

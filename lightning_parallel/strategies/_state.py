@@ -114,7 +114,7 @@ class StateMixin:
             held = [n for n, t in lm.state_dict(keep_vars=True).items() if not t.is_meta] if lm is not None else None
             # only what this rank holds is read; a block still pending (on meta) reads its keys when it
             # materialises (``lp_deferred``: the restore below registers the directory as its source)
-            checkpoint = _checkpoint.load_sharded(path, held)
+            checkpoint = _checkpoint.load_sharded(path, held, weights_only)
             if getattr(self, "_pending", None):
                 checkpoint["lp_deferred"] = path
             return checkpoint

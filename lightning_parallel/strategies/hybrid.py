@@ -130,6 +130,11 @@ class HybridParallelStrategy(
         loss_chunks: compute the LM head (every ``nn.Linear`` outside the trunk of the vocabulary's width) and the
             step's ``F.cross_entropy`` of its logits over this many chunks of the tokens, never holding the whole
             logits (1: off; :mod:`lightning_parallel.chunked_loss`; under tensor parallelism vocabulary-parallel).
+        configure_model_on_meta: ``True``: ``configure_model`` runs on the meta device (as under
+            ``torch.device("meta")``), and set-up materialises on each rank only what it holds, initialised by
+            each module's ``reset_parameters()`` (:mod:`lightning_parallel.materialize`); weights loaded there are
+            refused (load them with :func:`lightning_parallel.load_pretrained` or ``ckpt_path=``). ``False``: it
+            runs as on one device (every rank builds the whole model first).
     """
 
     strategy_name = "hybrid"
@@ -163,6 +168,7 @@ class HybridParallelStrategy(
         data_parallel_sharding: Sharding = "none",
         save_distributed_checkpoint: bool = True,
         loss_chunks: int = 1,
+        configure_model_on_meta: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -233,6 +239,7 @@ class HybridParallelStrategy(
         self._blocks: Optional[BlockLayer] = None
         self._cache_off: list[str] = []  # modules whose Hugging Face KV cache set-up turned off
         self._heads = ChunkedHeads(loss_chunks)
+        self._configure_on_meta = configure_model_on_meta
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method

@@ -267,9 +267,9 @@ class NoAttentionLM(L.LightningModule):
 
 
 class DeferredHFCausalLM(HFCausalLM):
-    """The Hugging Face model built in ``configure_model``: on the meta device under the lightning-parallel
-    strategies (its rotary tables have no ``reset_parameters()``; the model's own ``_init_weights`` makes
-    them), eagerly on one device."""
+    """The Hugging Face model built in ``configure_model`` with no device context, as on one device: the
+    lightning-parallel strategies run it on the meta device (its rotary tables have no ``reset_parameters()``;
+    the model's own ``_init_weights`` makes them at set-up)."""
 
     def __init__(self, family: str = "llama", vocab_size: int = 65, num_layers: int = 8, lr: float = 1e-3,
                  optimizer: str = "adamw") -> None:  # fmt: skip
@@ -278,19 +278,14 @@ class DeferredHFCausalLM(HFCausalLM):
         self.lr, self.opt = lr, optimizer
 
     def configure_model(self) -> None:
-        from contextlib import nullcontext
-
-        from lightning_parallel import HybridParallelStrategy
-
         if not hasattr(self, "model"):
-            with torch.device("meta") if isinstance(self.trainer.strategy, HybridParallelStrategy) else nullcontext():
-                self.model = self._make()
+            self.model = self._make()
 
 
 class DeferredGPT(GPT):
-    """The example GPT built in ``configure_model`` (Lightning's large-model path): on the meta device under
-    the lightning-parallel strategies (``with torch.device("meta")``), eagerly on one device. ``init_module``: build in ``__init__`` instead
-    (for ``Trainer.init_module(empty_init=True)``)."""
+    """The example GPT built in ``configure_model`` (Lightning's large-model path) with no device context: the
+    lightning-parallel strategies run it on the meta device, one device eagerly. ``init_module``: build in
+    ``__init__`` instead (for ``Trainer.init_module(empty_init=True)``)."""
 
     def __init__(
         self, vocab_size: int = 65, block_size: int = 64, n_layer: int = 4, n_head: int = 4, n_embd: int = 64,
@@ -319,10 +314,5 @@ class DeferredGPT(GPT):
         self.transformer.wte.weight = self.lm_head.weight
 
     def configure_model(self) -> None:
-        from contextlib import nullcontext
-
-        from lightning_parallel import HybridParallelStrategy
-
-        if not hasattr(self, "lm_head"):  # on meta where the strategy materialises it (each rank its share)
-            with torch.device("meta") if isinstance(self.trainer.strategy, HybridParallelStrategy) else nullcontext():
-                self._build()
+        if not hasattr(self, "lm_head"):  # on meta under the strategies, which materialise each rank's share
+            self._build()

@@ -511,3 +511,71 @@ def test_helix_lends_eager_blocks_kept_on_the_host_to_its_sanity_check():
     assert seen == [8]
     for k in alone:
         torch.testing.assert_close(after[k], alone[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _LoadsInConfigureModel(L.LightningModule):
+    """A Hugging Face model loaded in ``configure_model``, as users write it: ``from_pretrained`` or a
+    ``load_state_dict`` of saved weights into a model built there."""
+
+    def __init__(self, directory: str, how: str) -> None:
+        super().__init__()
+        self.directory, self.how = directory, how
+
+    def configure_model(self) -> None:
+        import transformers
+
+        if hasattr(self, "model"):
+            return
+        if self.how == "from_pretrained":
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(self.directory)
+        else:
+            from safetensors.torch import load_file
+
+            config = transformers.AutoConfig.from_pretrained(self.directory)
+            self.model = transformers.AutoModelForCausalLM.from_config(config)
+            self.model.load_state_dict(load_file(f"{self.directory}/model.safetensors"), strict=False)
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self.model(input_ids=idx).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_loading(rank, world_size, directory, how, on_meta):
+    from examples.data import CharDataModule
+    from tests.helpers.trainers import quick_fit
+
+    module = _LoadsInConfigureModel(directory, how)
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, configure_model_on_meta=on_meta)
+    trainer = quick_fit(module, CharDataModule(block_size=16, batch_size=4, shuffle=False), strategy, world_size)
+    state = trainer.strategy.full_state_dict()  # on every rank; rank 0 gets the whole model
+    return state["model.model.embed_tokens.weight"].clone() if rank == 0 else None
+
+
+@pytest.fixture
+def saved_llama(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=65, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    return str(tmp_path), model
+
+
+@pytest.mark.parametrize("how", ["from_pretrained", "load_state_dict"])
+def test_weights_loaded_in_configure_model_are_refused_naming_load_pretrained(saved_llama, how):
+    directory, _ = saved_llama
+    with pytest.raises(RankFailed, match=r"would be lost\. Build the model there without weights .*load_pretrained"):
+        run_distributed(_fit_loading, 2, directory, how, True, init_process_group=False)
+
+
+def test_configure_model_on_meta_false_builds_and_loads_as_on_one_device(saved_llama):
+    directory, model = saved_llama
+    first = run_distributed(_fit_loading, 2, directory, "from_pretrained", False, init_process_group=False)[0]
+    # the loaded weights trained one step (SGD): they moved, from the saved ones, not from a fresh init
+    saved = model.model.embed_tokens.weight.detach()
+    assert not torch.equal(first, saved) and (first - saved).abs().max() < 0.1
