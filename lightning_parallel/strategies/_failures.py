@@ -17,6 +17,9 @@ first; each dead rank is named once (:func:`_claim`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import glob
 import logging
 import os
 import signal
@@ -76,6 +79,32 @@ def mark_raised(peers: list[tuple[str, int]] | None, rank: int) -> None:
                 f.write(str(os.getpid()))
         except OSError:
             pass
+
+
+def remove_stale_markers() -> None:
+    """Remove the marker files of jobs whose launching process (it names the job) no longer runs: every job's
+    markers are gone once it has ended, whichever way it was launched (the script launcher also removes its
+    own at exit, :meth:`NamingScriptLauncher.launch`)."""
+    host = socket.gethostname()
+    for path in glob.glob(
+        os.path.join(tempfile.gettempdir(), f"lightning_parallel-{glob.escape(host)}-*-rank*.raised")
+    ):
+        pid = os.path.basename(path)[len(f"lightning_parallel-{host}-") :].split("-rank")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _remove_job_markers(children: list[subprocess.Popen], wait: float = 20.0) -> None:
+    """At the launching process's exit: once its children have ended (they read the markers when their
+    connections break), remove this job's marker files."""
+    deadline = time.monotonic() + wait
+    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job = f"lightning_parallel-{glob.escape(socket.gethostname())}-{os.getpid()}-rank*.raised"
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), job)):
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def _running(pid: int) -> bool:
@@ -188,6 +217,7 @@ class NamingScriptLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             first_rank = self.cluster_environment.node_rank() * self.num_processes
             _NamingObserver(os.getpid(), self.procs, first_rank).start()
+            atexit.register(_remove_job_markers, self.procs)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 

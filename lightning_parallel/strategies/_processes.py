@@ -148,6 +148,8 @@ class ProcessesMixin:
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._mesh = dims.build_mesh(self.root_device.type)
         self._peers = _collectives.all_gather_object(_failures.whoami())  # to name a rank that dies
+        if self.local_rank == 0:
+            _failures.remove_stale_markers()  # of jobs that ended (launched by torchrun, SLURM...)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
