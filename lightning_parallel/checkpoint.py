@@ -2,7 +2,7 @@
 resume, plain export.
 
 Format: a directory written with ``torch.distributed.checkpoint`` (DCP), one shard file per rank, no
-gather to one rank. Keys are the model's **original** parameter names: ``state_dict.<name>`` for the
+gather to one rank (optimizer-state sharding's chunks too: :mod:`lightning_parallel.flat_chunks`). Keys are the model's **original** parameter names: ``state_dict.<name>`` for the
 model, ``optimizer_<i>`` for optimizer i's state keyed by parameter name (never by position: positions
 differ per stage and per layout). A parameter held by several ranks (replicated pre/post-trunk, data
 parallel copies) carries the same key everywhere and DCP writes it once. Global rank 0 adds
@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
+from lightning_parallel.flat_chunks import ChunkSavePlanner
 
 META_FILE = "lightning.pt"
 FORMAT = "lightning_parallel.checkpoint/1"
@@ -131,7 +132,8 @@ def save_sharded(
     tensors = {"state_dict": checkpoint["state_dict"]}
     for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = opt_state["state"]
-    dcp.save(tensors, checkpoint_id=partial)  # raises on every rank if any rank's writer failed
+    # raises on every rank if any rank's writer failed; the planner writes optimizer-state chunks (FlatChunk)
+    dcp.save(tensors, checkpoint_id=partial, planner=ChunkSavePlanner())
     if is_global_zero:
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         rest["lp_format"] = FORMAT

@@ -37,6 +37,8 @@ class DataParallelShardingMixin:
     _mesh: Any
     _trunk_path: Optional[str]
     _vocabulary_parallel: bool
+    _tp_layout: Any
+    lightning_module: Any
     parallel_dims: Any
     coordinate: dict[str, int]
     dp_group: Any
@@ -173,8 +175,14 @@ class DataParallelShardingMixin:
             return super().optimizer_state(optimizer)
         self.materialize_deferred()  # before the swap: state restored or built at materialisation goes to the chunks
         shards, inner = self._shards_of(optimizer), getattr(optimizer, "optimizer", optimizer)
+        layout = self._tp_layout
+        permuted = {
+            id(p) for n, p in self.lightning_module.named_parameters() if layout is not None and n in layout.permuted
+        }
         chunks = inner.state
-        inner.state = shards.gathered_state()  # whole, by parameter: the checkpoint moves between layouts
+        # each rank's chunks, written into whole tensors by DCP (no gather); a permuted fused projection's state is
+        # gathered over dp, one tensor at a time, so that StateMixin can restore its original order
+        inner.state = shards.checkpoint_state(gather=lambda p: id(p) in permuted)
         try:
             return super().optimizer_state(optimizer)
         finally:

@@ -20,9 +20,10 @@ unchanged; its state tensors hold only this rank's chunk (1-D). Per optimizer st
 
 Only element-wise optimizers give the same result on chunks as on the whole tensor; others are refused
 (:func:`check_optimizer`). Per rank: optimizer state and, after step 1, gradients are 1/dp of a
-replica's; parameters stay whole. Checkpoints hold whole optimizer state by parameter name: it is
-gathered on save (:meth:`ShardedOptimizer.gathered_state`) and cut again when the first step after a
-restore opens its window, so a checkpoint moves between every layout. 0-dim parameters are not cut: their
+replica's; parameters stay whole. Checkpoints hold whole optimizer state by parameter name: each rank
+writes its chunks into the whole tensors on disk (:meth:`ShardedOptimizer.checkpoint_state`,
+:mod:`lightning_parallel.flat_chunks`: no gather), and a restore's whole state is cut again when the first
+step after it opens its window, so a checkpoint moves between every layout. 0-dim parameters are not cut: their
 gradients are averaged whole and every rank steps them.
 
 Inside the window the model's parameters have no ``.grad`` (the optimizer's chunk views in
@@ -33,16 +34,18 @@ gradients in ``on_before_optimizer_step`` sees none.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
+from lightning_parallel.flat_chunks import FlatChunk
 from lightning_parallel.tensor_parallel import local
 
 Sharding = Literal["none", "optimizer", "full"]
@@ -219,9 +222,14 @@ class ShardedOptimizer:
                     offset += c
 
     # ----------------------------------------------------------------------------------- state
-    def gathered_state(self) -> dict[Tensor, dict[str, Any]]:
-        """The optimizer's state with every per-element tensor whole (a collective over the dp group); state
-        not cut yet (restored, no step since) is whole already. Nothing in the optimizer changes."""
+    def checkpoint_state(self, gather: Callable[[Tensor], bool] = lambda p: False) -> dict[Tensor, dict[str, Any]]:
+        """The optimizer's state for a checkpoint, with no gather: a per-element tensor cut to this rank's chunk
+        becomes a :class:`~lightning_parallel.flat_chunks.FlatChunk`, whose elements this rank writes into the
+        whole tensor on disk (DCP), so no rank ever holds more than its chunks. A parameter for which
+        ``gather(p)`` holds (a tensor-parallel projection whose rows the checkpoint keeps in another order) has
+        its state gathered over the dp group instead, one tensor at a time. State not cut yet (restored, no step
+        since) is whole already. A small collective checks that the ranks hold the same state; nothing in the
+        optimizer changes."""
         out = {p: dict(self.optimizer.state[p]) for p in self.params() if p in self.optimizer.state}
         sharded = [p for p in self._sharded() if id(p) in self._cut and p in self.optimizer.state]
         per = [sorted(k for k, v in out[p].items() if torch.is_tensor(v) and v.dim() >= 1) for p in sharded]
@@ -230,8 +238,15 @@ class ShardedOptimizer:
             raise RuntimeError("the data-parallel ranks hold different optimizer state for the same parameters")
         for p, names in zip(sharded, per):
             for k in names:
-                out[p][k] = self._gather(p, out[p][k])
+                out[p][k] = self._gather(p, out[p][k]) if gather(p) else self._flat_chunk(p, out[p][k])
         return out
+
+    def _flat_chunk(self, p: Tensor, chunk: Tensor) -> FlatChunk:
+        offset = (0,) * p.dim()
+        if isinstance(p, DTensor):
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        start, _ = self._bounds(p, self.rank)
+        return FlatChunk(chunk, start, tuple(local(p).shape), tuple(offset), tuple(p.shape))
 
     def _gather(self, p: Tensor, chunk: Tensor) -> Tensor:
         out = _collectives.all_gather_flat(_padded(chunk, self._chunk(p)), self.group)

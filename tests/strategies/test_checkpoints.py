@@ -89,7 +89,7 @@ def _full_tensor(name, value):
 def _whole_state(strategy, optimizer) -> dict:
     """The optimizer's state with whole tensors (sharded data parallelism keeps a chunk per rank: gather)."""
     if getattr(strategy, "_sharded", False):
-        return strategy._shards_of(optimizer).gathered_state()
+        return strategy._shards_of(optimizer).checkpoint_state(gather=lambda p: True)
     return optimizer.state
 
 

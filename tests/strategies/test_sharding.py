@@ -77,6 +77,53 @@ def test_each_rank_holds_about_half_the_optimizer_state():
         assert nbytes <= 0.501 * replica, (nbytes, replica)
 
 
+def _chunks_written(rank: int, world: int, model: str, tp: int, path: str) -> list[tuple]:
+    """Fit, save a checkpoint; what this rank's optimizer_state handed to DCP for each per-element state tensor."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.flat_chunks import FlatChunk
+
+    module, data = build(model, 4, "adamw")
+    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=tp, data_parallel_sharding="optimizer")
+    trainer = L.Trainer(
+        strategy=strategy, devices=world, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(path)
+    out = []
+    for name, state in strategy.optimizer_state(trainer.optimizers[0])["state"].items():
+        for key, value in state.items():
+            if isinstance(value, FlatChunk):
+                out.append((name, key, value.start, value.block, value.offset, value.data.clone()))
+            elif torch.is_tensor(value) and value.dim():  # gathered over dp: only a permuted fused projection
+                assert isinstance(value, DTensor) and name in strategy._tp_layout.permuted, (name, key)
+                out.append((name, key, None, None, None, None))
+    return out
+
+
+@pytest.mark.parametrize(("model", "tp"), [("gpt", 1), ("llama", 2)])
+def test_a_sharded_optimizer_state_is_saved_without_a_gather(model, tp, tmp_path):
+    """Each rank hands DCP only its chunk (at most ceil(numel / dp) elements of its block) and the file holds
+    the whole tensors those chunks make up."""
+    from lightning_parallel.checkpoint import load_sharded
+
+    path = str(tmp_path / "ckpt")
+    ranks = run_distributed(_chunks_written, 2 * tp, model, tp, path, init_process_group=False, timeout=180)
+    saved = load_sharded(path)["optimizer_states"][0]["state"]
+    chunks = [c for r in ranks for c in r if c[2] is not None]
+    assert len(chunks) >= 0.9 * sum(len(r) for r in ranks) and chunks
+    covered: dict[tuple[str, str], int] = {}
+    for name, key, start, block, offset, data in chunks:
+        assert data.numel() <= -(-torch.Size(block).numel() // 2), (name, key, data.numel(), block)
+        whole = saved[name][key]
+        part = whole[tuple(slice(o, o + b) for o, b in zip(offset, block))].reshape(-1)
+        torch.testing.assert_close(part[start : start + data.numel()], data, rtol=0, atol=0)
+        covered[(name, key)] = covered.get((name, key), 0) + data.numel()
+    for (name, key), n in covered.items():  # the dp chunks of every block together: every element once per replica
+        assert n % saved[name][key].numel() == 0, (name, key, n)
+
+
 def test_unknown_sharding_is_refused():
     with pytest.raises(ValueError, match=r"data_parallel_sharding='zero3'.*\('none', 'optimizer', 'full'\)"):
         HybridParallelStrategy(data_parallel_sharding="zero3")
