@@ -26,6 +26,10 @@ LAYOUTS = {
     "tensor_parallel tp=2": (lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=1), 2, 1),
     "hybrid dp=2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
     "hybrid dp=2 full": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2, 2),
+    "hybrid dp=2 optimizer": (
+        lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"), 2, 2
+    ),
+    "sequence_parallel sp=2": (lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=1), 2, 1),
     "pipeline pp=2 x tp=2": (
         lambda: PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4),
         4,
@@ -53,14 +57,7 @@ def test_ranks_initialised_differently_start_from_rank_0(layout):
     """Processes without a common seed build different weights (each rank here seeds with its rank): every
     rank starts from rank 0's values for what it shares with rank 0, so training equals one process that
     built rank 0's model (seed 0), in every layout, not only along dp."""
-    strategy, world, dp = {
-        **LAYOUTS,
-        "sequence_parallel sp=2": (
-            lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=1),
-            2,
-            1,
-        ),
-    }[layout]
+    strategy, world, dp = LAYOUTS[layout]
     assert_parity("gpt-rank-seeded", strategy, world, data_parallel_size=dp)
 
 
