@@ -252,10 +252,11 @@ def to_plain(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return plain
 
 
-def export(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike) -> None:
+def export(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike, weights_only: bool | None = None) -> None:
     """Write a sharded checkpoint as one plain Lightning ``.ckpt`` file, loadable with
-    ``MyModule.load_from_checkpoint`` (and resumable) without lightning-parallel installed."""
-    torch.save(to_plain(load_sharded(checkpoint_dir)), os.fspath(out_file))
+    ``MyModule.load_from_checkpoint`` (and resumable) without lightning-parallel installed. ``weights_only``: as for
+    :func:`load_sharded` (``False`` for a directory this process has just written itself)."""
+    torch.save(to_plain(load_sharded(checkpoint_dir, weights_only=weights_only)), os.fspath(out_file))
 
 
 def check_state_dict(state: dict[str, Any], expected: Iterable[str], model_name: str) -> None:

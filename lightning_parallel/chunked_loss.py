@@ -202,11 +202,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, dtype: torch.dtype,
                 chunks: int, group: Any, start: int, ignore_index: int, reduction: str) -> Tensor:  # fmt: skip
+        # the softmax's statistics in at least float32, as F.cross_entropy keeps them (under autocast it takes
+        # low-precision logits to float32 and returns float32); the logits themselves rounded as the head gives them
+        acc, device = torch.promote_types(dtype, torch.float32), rows.device.type
+        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         valid = target != ignore_index
-        lse = torch.empty(rows.shape[0], dtype=dtype, device=rows.device)
-        total = torch.zeros((), dtype=dtype, device=rows.device)
+        lse = torch.empty(rows.shape[0], dtype=acc, device=rows.device)
+        total = torch.zeros((), dtype=acc, device=rows.device)
         for sl in _slices(rows.shape[0], chunks):
-            z = F.linear(rows[sl], weight, bias).to(dtype)
+            z = F.linear(rows[sl], weight, bias).to(dtype).to(acc)
             m = z.amax(-1)
             if group is not None:
                 _collectives.all_reduce_max_(m, group)
@@ -218,32 +222,36 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total += ((lse[sl] - t) * valid[sl]).sum()
         ctx.save_for_backward(rows, weight, bias, target, lse)
         ctx.count = valid.sum() if reduction == "mean" else None
-        ctx.statics = (dtype, chunks, group, start, ignore_index)
-        return total / ctx.count if reduction == "mean" else total
+        ctx.statics = (dtype, chunks, group, start, ignore_index, autocast)
+        out = total / ctx.count if reduction == "mean" else total
+        return out if autocast[1] else out.to(dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
         rows, weight, bias, target, lse = ctx.saved_tensors
-        dtype, chunks, group, start, ignore_index = ctx.statics
-        g = grad / ctx.count if ctx.count is not None else grad
+        dtype, chunks, group, start, ignore_index, (device, enabled, autocast_dtype) = ctx.statics
+        g = (grad / ctx.count if ctx.count is not None else grad).to(lse.dtype)
         grad_rows = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
-        for sl in _slices(rows.shape[0], chunks):
-            p = F.linear(rows[sl], weight, bias).to(dtype)  # the slice's logits again, then in place:
-            p.sub_(lse[sl].unsqueeze(-1)).exp_()  # the softmax, from the forward's log-sum-exp
-            local, valid = target[sl] - start, target[sl] != ignore_index
-            hit = valid & (local >= 0) & (local < p.shape[-1])
-            p[hit, local[hit]] -= 1.0
-            dz = p.mul_(valid.unsqueeze(-1) * g).to(rows.dtype)
-            if grad_rows is not None:
-                grad_rows[sl] = dz @ weight
-                if group is not None:  # this rank's vocabulary columns' part of the input gradient
-                    _collectives.all_reduce_sum_([grad_rows[sl]], group)
-            if grad_weight is not None:
-                grad_weight += dz.t() @ rows[sl]
-            if grad_bias is not None:
-                grad_bias += dz.sum(0)
+        # the products under the forward's autocast state: the same logits, and the same precision as the head's
+        # own backward would use
+        with torch.autocast(device, dtype=autocast_dtype, enabled=enabled):
+            for sl in _slices(rows.shape[0], chunks):
+                logits = F.linear(rows[sl], weight, bias).to(dtype)  # the slice's logits again, then in place:
+                p = logits.to(lse.dtype).sub_(lse[sl].unsqueeze(-1)).exp_()  # the softmax, from the log-sum-exp
+                local, valid = target[sl] - start, target[sl] != ignore_index
+                hit = valid & (local >= 0) & (local < p.shape[-1])
+                p[hit, local[hit]] -= 1.0
+                dz = p.mul_(valid.unsqueeze(-1) * g).to(rows.dtype)
+                if grad_rows is not None:
+                    grad_rows[sl] = dz @ weight
+                    if group is not None:  # this rank's vocabulary columns' part of the input gradient
+                        _collectives.all_reduce_sum_([grad_rows[sl]], group)
+                if grad_weight is not None:
+                    grad_weight += dz.t() @ rows[sl]
+                if grad_bias is not None:
+                    grad_bias += dz.sum(0)
         return grad_rows, grad_weight, grad_bias, *([None] * 7)
 
 

@@ -238,7 +238,10 @@ class ShardedOptimizer:
             raise RuntimeError("the data-parallel ranks hold different optimizer state for the same parameters")
         for p, names in zip(sharded, per):
             for k in names:
-                out[p][k] = self._gather(p, out[p][k]) if gather(p) else self._flat_chunk(p, out[p][k])
+                if p.numel() == 0:  # no element to write a chunk of: DCP needs the (empty) tensor itself
+                    out[p][k] = torch.zeros_like(p.detach())
+                else:
+                    out[p][k] = self._gather(p, out[p][k]) if gather(p) else self._flat_chunk(p, out[p][k])
         return out
 
     def _flat_chunk(self, p: Tensor, chunk: Tensor) -> FlatChunk:

@@ -90,7 +90,7 @@ class StateMixin:
         error = None
         if self.is_global_zero:  # type: ignore[attr-defined]
             try:
-                _checkpoint.export(shards, path + ".partial")
+                _checkpoint.export(shards, path + ".partial", weights_only=False)  # written just now, here
                 os.replace(path + ".partial", path)
                 shutil.rmtree(shards)
             except Exception as err:  # noqa: BLE001  (raised on every rank below, never on rank 0 alone)

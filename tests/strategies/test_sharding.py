@@ -83,7 +83,11 @@ def _chunks_written(rank: int, world: int, model: str, tp: int, path: str) -> li
 
     from lightning_parallel.flat_chunks import FlatChunk
 
-    module, data = build(model, 4, "adamw")
+    module, data = build(model.removesuffix("+empty"), 4, "adamw")
+    if model.endswith("+empty"):  # a parameter without elements, with a gradient: its state has none either
+        module.empty = nn.Parameter(torch.zeros(0, 8))
+        step = module.training_step
+        module.training_step = lambda *args, **kwargs: step(*args, **kwargs) + module.empty.sum()
     strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=tp, data_parallel_sharding="optimizer")
     trainer = L.Trainer(
         strategy=strategy, devices=world, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
@@ -96,13 +100,13 @@ def _chunks_written(rank: int, world: int, model: str, tp: int, path: str) -> li
         for key, value in state.items():
             if isinstance(value, FlatChunk):
                 out.append((name, key, value.start, value.block, value.offset, value.data.clone()))
-            elif torch.is_tensor(value) and value.dim():  # gathered over dp: only a permuted fused projection
+            elif torch.is_tensor(value) and value.numel() and value.dim():  # gathered: only a permuted fused projection
                 assert isinstance(value, DTensor) and name in strategy._tp_layout.permuted, (name, key)
                 out.append((name, key, None, None, None, None))
     return out
 
 
-@pytest.mark.parametrize(("model", "tp"), [("gpt", 1), ("llama", 2)])
+@pytest.mark.parametrize(("model", "tp"), [("gpt", 1), ("gpt+empty", 1), ("llama", 2)])
 def test_a_sharded_optimizer_state_is_saved_without_a_gather(model, tp, tmp_path):
     """Each rank hands DCP only its chunk (at most ceil(numel / dp) elements of its block) and the file holds
     the whole tensors those chunks make up."""
@@ -122,6 +126,8 @@ def test_a_sharded_optimizer_state_is_saved_without_a_gather(model, tp, tmp_path
         covered[(name, key)] = covered.get((name, key), 0) + data.numel()
     for (name, key), n in covered.items():  # the dp chunks of every block together: every element once per replica
         assert n % saved[name][key].numel() == 0, (name, key, n)
+    if model.endswith("+empty"):
+        assert saved["empty"]["exp_avg"].shape == (0, 8) and saved["empty"]["exp_avg_sq"].shape == (0, 8)
 
 
 def test_unknown_sharding_is_refused():

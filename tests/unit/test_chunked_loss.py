@@ -98,3 +98,22 @@ def test_the_head_and_loss_of_16k_tokens_never_hold_one_whole_logits_tensor():
     with LiveTensorTracker() as baseline:
         F.cross_entropy(head(h).view(-1, vocab), target).backward()
     assert baseline.peak >= 2 * whole  # unchunked: the logits and their gradient (at least)
+
+
+def test_under_autocast_the_statistics_stay_in_float32_as_cross_entropys_do():
+    """bfloat16 autocast: the head gives bfloat16 logits, ``F.cross_entropy`` takes them to float32 and returns
+    float32; the chunked loss rounds the logits the same way and keeps its statistics in float32."""
+    torch.manual_seed(0)
+    head = nn.Linear(64, 1000, bias=False)
+    h = torch.randn(4096, 64)
+    target = torch.randint(0, 1000, (4096,))
+    chunked = copy.deepcopy(head)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.cross_entropy(head(h), target)
+    want.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16), lazy_heads([chunked], 8):
+        got = F.cross_entropy(chunked(h), target)
+    got.backward()
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.weight.grad, head.weight.grad, rtol=2e-2, atol=1e-5)
