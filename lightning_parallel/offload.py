@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -34,11 +35,16 @@ _IGNORED = {aten.detach.default, torch.ops.prim.device.default}  # what torch's 
 
 
 class HostCopy:
-    """One tensor in host memory, and how to bring it back to its device."""
+    """One tensor in host memory, and how to bring it back to its device. A DTensor (a tensor-parallel activation
+    autograd saves) goes as its local shard and comes back as the same DTensor."""
 
-    __slots__ = ("device", "event", "host")
+    __slots__ = ("device", "event", "host", "spec")
 
     def __init__(self, tensor: Tensor, stream: Any) -> None:
+        self.spec = None
+        if isinstance(tensor, DTensor):
+            self.spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+            tensor = tensor.to_local()
         self.device = tensor.device
         if tensor.device.type == "cuda":
             self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -53,9 +59,14 @@ class HostCopy:
 
     def back(self) -> Tensor:
         if self.event is None:
-            return self.host.clone()
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-        return self.host.to(self.device, non_blocking=True)
+            out = self.host.clone()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            out = self.host.to(self.device, non_blocking=True)
+        if self.spec is None:
+            return out
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -75,8 +86,8 @@ def saved_to_host() -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks that keep every tensor autograd saves (parameters excepted) in host memory."""
 
     def pack(t: Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or t.device.type == "meta":
-            return t
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
+            return t  # a parameter, or a view of one (its transpose in a matrix product), stays where it is
         return HostCopy(t, _stream(t.device))
 
     def unpack(saved: Any) -> Tensor:

@@ -53,3 +53,46 @@ def test_offloaded_activations_give_the_same_gradients_and_go_to_the_host(policy
 def test_full_recomputation_has_nothing_to_offload():
     with pytest.raises(ValueError, match="recompute_offload=True moves what a policy keeps"):
         validate("full", 2, 1, offload=True)
+
+
+def test_a_dtensor_goes_to_the_host_as_its_shard_and_comes_back_as_the_same_dtensor():
+    """Tensor-parallel activations that autograd saves are DTensors: the host copy holds the local shard (on
+    CUDA a pinned buffer takes it: a DTensor would not copy into a plain tensor) and returns the DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_parallel.offload import HostCopy
+    from tests.helpers.distributed import run_distributed
+
+    def rank(r: int, world: int) -> bool:
+        mesh = init_device_mesh("cpu", (world,))
+        x = DTensor.from_local(torch.arange(6.0).view(2, 3) + 10 * r, mesh, [Shard(0)], run_check=False)
+        copy = HostCopy(x, None)
+        assert not isinstance(copy.host, DTensor) and copy.host.shape == (2, 3)
+        back = copy.back()
+        assert isinstance(back, DTensor) and back.placements == x.placements and back.shape == x.shape == (4, 3)
+        return torch.equal(back.to_local(), x.to_local()) and back.to_local().data_ptr() != x.to_local().data_ptr()
+
+    assert run_distributed(rank, 2) == [True, True]
+
+
+def test_parameters_and_their_views_are_not_copied():
+    from lightning_parallel.offload import saved_to_host
+
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(2, 3, requires_grad=True)
+    packed = []
+    hooks = saved_to_host()
+    pack = hooks.pack_hook
+
+    def spy(t):
+        packed.append(pack(t))
+        return packed[-1]
+
+    with torch.autograd.graph.saved_tensors_hooks(spy, hooks.unpack_hook):
+        y = x @ w  # saves x and w
+        z = (x @ w.t().t()).sum()  # a view of the parameter
+    (y.sum() + z).backward()
+    assert any(p is w for p in packed) and not any(isinstance(p, torch.Tensor) and p is x for p in packed)
+    views = [p for p in packed if isinstance(p, torch.Tensor) and p is not w]
+    assert views and all(v._base is w for v in views)
