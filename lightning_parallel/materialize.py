@@ -29,6 +29,7 @@ in ``__init__``) ran on meta and has no effect; give such modules a ``reset_para
 from __future__ import annotations
 
 import hashlib
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -207,3 +209,43 @@ def initialize_(root: nn.Module, seed: int) -> None:
                     reset()
         everything = {id(t) for t in [*root.parameters(), *root.buffers()]}
         _family_init(root, {id(m) for m in root.modules()}, seed, everything)
+
+
+class InitWrites(TorchFunctionMode):
+    """Records in-place writes into parameters on the meta device that :func:`materialize_` will not repeat:
+    any outside a module's own ``reset_parameters()`` (``_reset_parameters()``) and outside a Hugging Face
+    model's code (whose ``_init_weights`` materialisation runs again). Active around a ``configure_model`` that
+    runs on meta: a model's own initialisation there (nanoGPT's ``self.apply(self._init_weights)`` in its
+    constructor, timm's ``init_weights``, ``nn.init.normal_`` on a built module) writes nothing on meta, and the
+    values would silently be ``reset_parameters()``'s instead. ``writes``: ``(where, what)`` of each, in order."""
+
+    _KEPT = ("reset_parameters", "_reset_parameters")
+    _NOT_VALUES = ("requires_grad_", "share_memory_", "retain_grad_")  # in place, but no value written
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[str, str]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = getattr(func, "__name__", "")
+        in_place = (name.endswith("_") and not name.startswith("__") and name not in self._NOT_VALUES) or (
+            name == "__setitem__"
+        )
+        target = args[0] if args else (kwargs or {}).get("tensor")  # torch.nn.init's functions take tensor=
+        if in_place and isinstance(target, nn.Parameter) and target.is_meta:
+            where = self._lost_at()
+            if where is not None:
+                self.writes.append((where, f"{name} on a parameter of shape {tuple(target.shape)}"))
+        return func(*args, **(kwargs or {}))
+
+    def _lost_at(self) -> Optional[str]:
+        """The user's line of a write materialisation does not repeat, or ``None`` for one it does."""
+        frame, where = sys._getframe(2), None
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if frame.f_code.co_name in self._KEPT or module.startswith("transformers."):
+                return None
+            if where is None and not module.startswith(("torch", "lightning_parallel")):
+                where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+            frame = frame.f_back
+        return where or "?"

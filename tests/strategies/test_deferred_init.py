@@ -576,3 +576,41 @@ def test_configure_model_on_meta_false_builds_and_loads_as_on_one_device(saved_l
     # the loaded weights trained one step (SGD): they moved, from the saved ones, not from a fresh init
     saved = model.model.embed_tokens.weight.detach()
     assert not torch.equal(first, saved) and (first - saved).abs().max() < 0.1
+
+
+from tests.helpers.models import DeferredGPT as _DeferredGPT  # noqa: E402
+
+
+class _InitialisesInConfigureModel(_DeferredGPT):
+    """nanoGPT's way: the modules built, then the model's own initialisation applied to them."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "lm_head"):
+            self._build()
+            self.apply(self._init_weights)
+
+
+def _fit_initialising(rank, world_size, on_meta):
+    from examples.data import CharDataModule
+    from tests.helpers.trainers import quick_fit
+
+    torch.manual_seed(0)
+    module = _InitialisesInConfigureModel(n_layer=2)
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, configure_model_on_meta=on_meta)
+    trainer = quick_fit(module, CharDataModule(block_size=16, batch_size=4, shuffle=False), strategy, world_size)
+    state = trainer.strategy.full_state_dict()  # on every rank; rank 0 gets the whole model
+    return float(state["transformer.wpe.weight"].std()) if rank == 0 else None
+
+
+def test_a_models_own_initialisation_in_configure_model_is_refused_on_meta_never_lost():
+    """On meta, ``self.apply(self._init_weights)`` writes nothing and set-up would initialise with
+    ``reset_parameters()`` instead: refused on every rank, naming the line and the ways that keep it."""
+    with pytest.raises(RankFailed) as failed:
+        run_distributed(_fit_initialising, 2, True, init_process_group=False)
+    text = str(failed.value)
+    assert "wrote initial values into parameters that set-up will not write again" in text
+    assert "gpt.py" in text and "_init_weights" in text, text[:2000]
+    assert "reset_parameters()" in text and "configure_model_on_meta=False" in text
+    # configure_model_on_meta=False keeps the model's own initialisation (nanoGPT's std 0.02 for wpe, not N(0, 1))
+    std = run_distributed(_fit_initialising, 2, False, init_process_group=False)[0]
+    assert 0.015 < std < 0.025, std
