@@ -8,6 +8,7 @@ it would see part of the model.
 """
 
 from lightning_parallel import lightning_patches
+from lightning_parallel.blocks import apply_recompute
 from lightning_parallel.mesh import AXES, ParallelDims
 from lightning_parallel.pretrained import load_pretrained
 from lightning_parallel.strategies import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
@@ -16,6 +17,6 @@ lightning_patches.install()
 
 __all__ = [
     "AXES", "HelixParallelStrategy", "HybridParallelStrategy", "ParallelDims", "PipelineParallelStrategy",
-    "load_pretrained",
+    "apply_recompute", "load_pretrained",
 ]  # fmt: skip
 __version__ = "0.1.0"
