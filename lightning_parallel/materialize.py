@@ -217,7 +217,9 @@ class InitWrites(TorchFunctionMode):
     model's code (whose ``_init_weights`` materialisation runs again). Active around a ``configure_model`` that
     runs on meta: a model's own initialisation there (nanoGPT's ``self.apply(self._init_weights)`` in its
     constructor, timm's ``init_weights``, ``nn.init.normal_`` on a built module) writes nothing on meta, and the
-    values would silently be ``reset_parameters()``'s instead. ``writes``: ``(where, what)`` of each, in order."""
+    values would silently be ``reset_parameters()``'s instead. ``writes``: ``(where, what)`` of each, in order.
+    Seen: tensor methods and ``torch.nn.init``'s functions called on an ``nn.Parameter``; not seen: a write
+    through ``.data`` (a plain tensor by then), which Hugging Face's code uses and nanoGPT's and timm's do not."""
 
     _KEPT = ("reset_parameters", "_reset_parameters")
     _NOT_VALUES = ("requires_grad_", "share_memory_", "retain_grad_")  # in place, but no value written
