@@ -226,7 +226,7 @@ def main() -> None:
     for layout, ranks in rows:
         devices = LAYOUTS[layout][0]
 
-        def cell(value: int, scale: int = 1) -> str:
+        def cell(value: int, scale: int = 1, devices: int = devices) -> str:
             return f"{value / 2**20:.1f} ({value / (scale * total / devices):.2f}x)"
 
         for r in sorted(ranks, key=lambda r: r["rank"]):
@@ -238,6 +238,7 @@ def main() -> None:
                 cell(r["params"]), cell(r["grads"]), cell(r["optim"], 2), f"{r['train_peak'] / 2**20:.0f}", loss,
             ]  # fmt: skip
             print(f"| {layout} | {r['rank']} | " + " | ".join(cells) + " |")
+
 
 if __name__ == "__main__":
     main()

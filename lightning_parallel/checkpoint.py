@@ -2,7 +2,8 @@
 resume, plain export.
 
 Format: a directory written with ``torch.distributed.checkpoint`` (DCP), one shard file per rank, no
-gather to one rank (optimizer-state sharding's chunks too: :mod:`lightning_parallel.flat_chunks`). Keys are the model's **original** parameter names: ``state_dict.<name>`` for the
+gather to one rank (optimizer-state sharding's chunks too: :mod:`lightning_parallel.flat_chunks`). Keys are
+the model's **original** parameter names: ``state_dict.<name>`` for the
 model, ``optimizer_<i>`` for optimizer i's state keyed by parameter name (never by position: positions
 differ per stage and per layout). A parameter held by several ranks (replicated pre/post-trunk, data
 parallel copies) carries the same key everywhere and DCP writes it once. Global rank 0 adds

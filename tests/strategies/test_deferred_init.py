@@ -18,6 +18,7 @@ from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, Pi
 from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.materialize import check_set, initialize_, materialize_
 from tests.helpers.distributed import RankFailed, run_distributed
+from tests.helpers.models import DeferredGPT
 from tests.helpers.parity import assert_parity
 
 LAYOUTS = {
@@ -27,7 +28,9 @@ LAYOUTS = {
     "hybrid dp=2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
     "hybrid dp=2 full": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2, 2),
     "hybrid dp=2 optimizer": (
-        lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"), 2, 2
+        lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"),
+        2,
+        2,
     ),
     "sequence_parallel sp=2": (lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=1), 2, 1),
     "pipeline pp=2 x tp=2": (
@@ -581,10 +584,7 @@ def test_configure_model_on_meta_false_builds_and_loads_as_on_one_device(saved_l
     assert not torch.equal(first, saved) and (first - saved).abs().max() < 0.1
 
 
-from tests.helpers.models import DeferredGPT as _DeferredGPT  # noqa: E402
-
-
-class _InitialisesInConfigureModel(_DeferredGPT):
+class _InitialisesInConfigureModel(DeferredGPT):
     """nanoGPT's way: the modules built, then the model's own initialisation applied to them."""
 
     def configure_model(self) -> None:

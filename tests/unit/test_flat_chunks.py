@@ -11,7 +11,7 @@ import torch
 from lightning_parallel.flat_chunks import FlatChunk, boxes
 
 
-@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 5), (2, 3, 1, 2), (2, 0, 3)])
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 5), (2, 3, 1, 2)])
 def test_boxes_cover_the_range_in_order_and_each_is_contiguous(shape):
     n = math.prod(shape)
     index = torch.arange(n).view(shape)
@@ -21,6 +21,10 @@ def test_boxes_cover_the_range_in_order_and_each_is_contiguous(shape):
         flat = [index[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1) for off, size in pieces]
         assert torch.equal(torch.cat(flat), torch.arange(start, end)), (shape, start, end, pieces)
     assert boxes(shape, 3, 3) == []
+
+
+def test_a_tensor_without_elements_has_no_rectangle():
+    assert boxes((2, 0, 3), 0, 6) == [] and boxes((0,), 0, 1) == []
 
 
 def test_a_flat_chunk_gives_views_of_its_data_at_offsets_in_the_whole_tensor():
