@@ -423,6 +423,18 @@ def main() -> None:
                  pair(a.transfer, b.transfer), f"{a.bubble:.2f} / {b.bubble:.2f}",
                  f"{info0['theory']:.2f} / {info1['theory']:.2f}"]  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
+    print("\nPer action kind, per stage s0 / s1 (seconds per step, medians over the rounds): compute of each kind"
+          " (blocked receives excluded), receives blocked before the producer sent (wait) and after (transfer), their"
+          " count, and the time outside any action (other)\n")  # fmt: skip
+    for i, (seq_len, m, name, _, info0) in enumerate(results[0]):
+        k0, k1 = info0.get("kinds"), results[1][i][4].get("kinds")
+        if not k0 or not k1:
+            continue
+        order = [k for k in sorted(set(k0) | set(k1)) if k not in ("wait", "transfer", "receives", "other")]
+        order += ["wait", "transfer", "receives", "other"]
+        cells = [f"{k} {k0.get(k, 0.0):.3f} / {k1.get(k, 0.0):.3f}" if k != "receives"
+                 else f"receives {k0.get(k, 0):.0f} / {k1.get(k, 0):.0f}" for k in order]  # fmt: skip
+        print(f"- T={seq_len} m={m} {name}: " + ", ".join(cells))
 
 
 if __name__ == "__main__":
