@@ -119,7 +119,7 @@ def test_a_weight_used_outside_its_module_names_vocabulary_parallel_false():
 
 
 # [llama] is back in the fast tier with test_pp2_x_tp2_with_sequence_parallelism below: a rank of each died of
-# SIGSEGV once in fresh-clone runs (2026-12-02); 60 consecutive rounds under 3 busy loops then passed, and five
+# SIGSEGV once in fresh-clone runs (2026-12-02); 60 consecutive rounds under 3 busy loops then passed, and six
 # fresh-clone runs with them in the fast tier (benchmarks/crash_loop.py; docs/benchmarks.md, "The SIGSEGV under
 # sequence parallelism"). [encoder] stays in the slow tier for the fast tier's time.
 @pytest.mark.parametrize("model", ["gpt", "llama", pytest.param("encoder", marks=pytest.mark.slow)])
