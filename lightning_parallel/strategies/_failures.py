@@ -66,9 +66,14 @@ def whoami() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
 
 
+def _job_prefix(host: str, pid: int | str = "") -> str:
+    """The path prefix of the marker files of the job that rank 0's host and pid name (with no pid: of every
+    job on ``host``)."""
+    return os.path.join(tempfile.gettempdir(), f"lightning_parallel-{host}-{pid}")
+
+
 def _marker(peers: list[tuple[str, int]], rank: int) -> str:
-    job = f"{peers[0][0]}-{peers[0][1]}"  # rank 0's host and pid name the job
-    return os.path.join(tempfile.gettempdir(), f"lightning_parallel-{job}-rank{rank}.raised")
+    return f"{_job_prefix(*peers[0])}-rank{rank}.raised"
 
 
 def mark_raised(peers: list[tuple[str, int]] | None, rank: int) -> None:
@@ -85,11 +90,9 @@ def remove_stale_markers() -> None:
     """Remove the marker files of jobs whose launching process (it names the job) no longer runs: every job's
     markers are gone once it has ended, whichever way it was launched (the script launcher also removes its
     own at exit, :meth:`NamingScriptLauncher.launch`)."""
-    host = socket.gethostname()
-    for path in glob.glob(
-        os.path.join(tempfile.gettempdir(), f"lightning_parallel-{glob.escape(host)}-*-rank*.raised")
-    ):
-        pid = os.path.basename(path)[len(f"lightning_parallel-{host}-") :].split("-rank")[0]
+    every = _job_prefix(socket.gethostname())
+    for path in glob.glob(f"{glob.escape(every)}*-rank*.raised"):
+        pid = path[len(every) :].split("-rank")[0]
         if pid.isdigit() and not _running(int(pid)):
             with contextlib.suppress(OSError):
                 os.remove(path)
@@ -101,8 +104,7 @@ def _remove_job_markers(children: list[subprocess.Popen], wait: float = 20.0) ->
     deadline = time.monotonic() + wait
     while any(c.poll() is None for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    job = f"lightning_parallel-{glob.escape(socket.gethostname())}-{os.getpid()}-rank*.raised"
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), job)):
+    for path in glob.glob(f"{glob.escape(_job_prefix(*whoami()))}-rank*.raised"):
         with contextlib.suppress(OSError):
             os.remove(path)
 

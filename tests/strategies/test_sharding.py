@@ -82,6 +82,7 @@ def _chunks_written(rank: int, world: int, model: str, tp: int, path: str) -> li
     from torch.distributed.tensor import DTensor
 
     from lightning_parallel.flat_chunks import FlatChunk
+    from tests.helpers.trainers import quick_fit
 
     module, data = build(model.removesuffix("+empty"), 4, "adamw")
     if model.endswith("+empty"):  # a parameter without elements, with a gradient: its state has none either
@@ -89,11 +90,7 @@ def _chunks_written(rank: int, world: int, model: str, tp: int, path: str) -> li
         step = module.training_step
         module.training_step = lambda *args, **kwargs: step(*args, **kwargs) + module.empty.sum()
     strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=tp, data_parallel_sharding="optimizer")
-    trainer = L.Trainer(
-        strategy=strategy, devices=world, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=data)
+    trainer = quick_fit(module, data, strategy, world, steps=2)
     trainer.save_checkpoint(path)
     out = []
     for name, state in strategy.optimizer_state(trainer.optimizers[0])["state"].items():
