@@ -101,6 +101,12 @@ class Split:
     attention: Callable[[nn.Module, Tensor, Tensor, Tensor, tuple, dict], Tensor]
     post: Callable[[nn.Module, Tensor, State, tuple, dict], Tensor]
     pre_parameters: frozenset[str]  # names (relative to the block) of the parameters ``pre`` uses
+    heads_dim: int = 1
+    """The dimension of the heads in ``attention``'s output: 1 for SDPA's ``(B, heads, T, head_dim)``, 2 for
+    transformers' attention functions, which return ``(B, T, heads, head_dim)``."""
+    attention_call: Callable[[nn.Module, tuple, dict], AttentionCall] | None = None
+    """The parameters of the attention call (ring attention runs its own kernel with them); ``None`` where the
+    split cannot tell them without running the block (a mask computed inside it)."""
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         (q, k, v), state = self.pre(block, x, args, kwargs)

@@ -36,7 +36,7 @@ from lightning_parallel.anatomy import resolve
 from lightning_parallel.anatomy.verify import single_process_gradients
 from lightning_parallel.block_protocol import ConfigurationError, OwnForward
 from lightning_parallel.recompute import Policy, Recomputed, resolve_op, validate
-from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, has_dropout
+from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, shard_dropout
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
 Forward = Callable[..., Any]  # (block, x, args, kwargs, shard) -> output
@@ -118,15 +118,7 @@ class _SequenceParallel:
         shard = SequenceShard.of(self.mesh, self.mode, x.shape[dim], x.device, mask)
         local_args, local_kwargs = self.anatomy.sequence_args(block, args, kwargs, shard.index)
         mine = shard.scatter(x, dim)
-        if block.training and has_dropout(block):
-            # Dropout on sharded activations: a seed drawn from the (replicated) generator keeps every rank's
-            # stream in step; offset by the rank, each rank's tokens get their own masks. Recomputation
-            # restores the generator first, so it draws the same seed and replays the same masks.
-            seed = int(torch.randint(0, 2**62, (1,)))
-            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-                torch.manual_seed(seed + self.mesh.get_local_rank())
-                out = self.inner(block, mine, local_args, local_kwargs, shard)
-        else:
+        with shard_dropout(block, self.mesh, x.device):  # each rank's tokens their own dropout masks
             out = self.inner(block, mine, local_args, local_kwargs, shard)
         return _map_first(out, lambda y: shard.gather(y, dim))
 

@@ -27,7 +27,8 @@ sp group (``SequenceParallelLayout.partial``). Attention dropout is refused in r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,98 @@ class SequenceShard:
         whole = DTensor.from_local(y, self.mesh, [Shard(dim)], run_check=False).redistribute(placements=[Replicate()])
         y = whole.to_local()
         return y.index_select(dim, torch.argsort(self.order)) if self.mode == "ring" else y
+
+
+@dataclass(frozen=True)
+class SplitOverSequence:
+    """HelixPipe's parts of one block (:class:`~lightning_parallel.block_protocol.Split`) on a sequence shard: the
+    stages' parts (``pre``, ``post``) run on this rank's tokens with the block's sequence-carrying arguments
+    sliced to them (by the block's anatomy), and the attention core of each layer is :func:`attend` over the sp
+    group (Ulysses or ring) on the attention stage. One shard serves a micro-batch's whole trunk
+    (:meth:`shard` of the first layer, so that ring mode's token order is the same in every layer); the
+    hidden state enters it at the trunk's entry and leaves it at its exit (:meth:`enter`, :meth:`exit`), so
+    every message between stages holds 1/sp of the tokens."""
+
+    split: Any  # the block's Split
+    anatomy: Any  # sequence_dim, sequence_args and attention_mask of the block
+    mesh: DeviceMesh
+    mode: str
+
+    @property
+    def name(self) -> str:
+        return self.split.name
+
+    @property
+    def pre_parameters(self) -> frozenset[str]:
+        return self.split.pre_parameters
+
+    def shard(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> SequenceShard:
+        """The split of the whole hidden state ``x`` (ring mode balances its chunks by this call's mask)."""
+        dim = self.anatomy.sequence_dim(block)
+        mask = self.anatomy.attention_mask(block, args, kwargs) if self.mode == "ring" else None
+        return SequenceShard.of(self.mesh, self.mode, x.shape[dim], x.device, mask)
+
+    def enter(self, block: nn.Module, x: Tensor, shard: SequenceShard) -> Tensor:
+        return shard.scatter(x, self.anatomy.sequence_dim(block))
+
+    def exit(self, block: nn.Module, y: Tensor, shard: SequenceShard) -> Tensor:
+        return shard.gather(y, self.anatomy.sequence_dim(block))
+
+    def pre(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: SequenceShard) -> Any:
+        local_args, local_kwargs = self.anatomy.sequence_args(block, args, kwargs, shard.index)
+        with shard_dropout(block, self.mesh, x.device):
+            return self.split.pre(block, x, local_args, local_kwargs)
+
+    def attention(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict,
+                  shard: SequenceShard) -> Tensor:  # fmt: skip
+        split = self.split
+
+        def inner(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # (B, heads, T, hd) whatever the split returns
+            out = split.attention(block, q, k, v, args, kwargs)
+            return out.transpose(1, 2) if split.heads_dim == 2 else out
+
+        def info() -> AttentionCall:
+            if split.attention_call is None:
+                raise ConfigurationError(
+                    f"sequence_parallel_mode='ring' needs the parameters of {type(block).__name__}'s attention call,"
+                    f" which {split.name} cannot tell without running the block (a mask computed inside it); use"
+                    " sequence_parallel_mode='ulysses'"
+                )
+            return split.attention_call(block, args, kwargs)
+
+        with shard_dropout(block, self.mesh, q.device):
+            out = attend(shard, q, k, v, inner, info)
+        return out.transpose(1, 2) if split.heads_dim == 2 else out
+
+    def post(self, block: nn.Module, out: Tensor, state: tuple, args: tuple, kwargs: dict,
+             shard: SequenceShard) -> Any:  # fmt: skip
+        local_args, local_kwargs = self.anatomy.sequence_args(block, args, kwargs, shard.index)
+        with shard_dropout(block, self.mesh, out.device):
+            return self.split.post(block, out, state, local_args, local_kwargs)
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        """The whole block on the whole sequence, through the shards (what verification compares)."""
+        shard = self.shard(block, x, args, kwargs)
+        (q, k, v), state = self.pre(block, self.enter(block, x, shard), args, kwargs, shard)
+        out = self.attention(block, q, k, v, args, kwargs, shard)
+        y = self.post(block, out, state, args, kwargs, shard)
+        if isinstance(y, Tensor):
+            return self.exit(block, y, shard)
+        return type(y)([self.exit(block, y[0], shard), *y[1:]])
+
+
+@contextmanager
+def shard_dropout(block: nn.Module, mesh: DeviceMesh, device: torch.device) -> Iterator[None]:
+    """Dropout on a sequence shard: a seed drawn from the (replicated) generator keeps every rank's stream in
+    step; offset by the rank, each rank's tokens (or Ulysses' heads) get their own masks. Recomputation
+    restores the generator first, so it draws the same seed and replays the same masks."""
+    if not (block.training and has_dropout(block)):
+        yield
+        return
+    seed = int(torch.randint(0, 2**62, (1,)))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed + mesh.get_local_rank())
+        yield
 
 
 def check_heads(heads: int, kv_heads: int, sp: int, mode: str, where: str, tp: int = 1) -> None:

@@ -98,6 +98,7 @@ def adapter_split(adapter: BlockAdapter, block: nn.Module) -> Split:
         attention=lambda b, q, k, v, a, kw: attention_of(adapter, b, q, k, v, a, kw),
         post=lambda b, out, state, a, kw: adapter.post(b, out, state, a, kw),
         pre_parameters=pre_parameters(adapter, block),
+        attention_call=adapter.attention_call,
     )
 
 
@@ -137,14 +138,27 @@ class AdapterAnatomy:
         """The mask the call's attention uses (whole sequence, original order), or ``None``."""
         return self.adapter.attention_call(block, args, kwargs).mask
 
-    def helix_split(self, block: nn.Module, config: Any) -> Split:
-        """The adapter's parts (HelixPipe), with the MLP chunked in ``post`` when asked for."""
+    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "") -> Split:
+        """The adapter's parts (HelixPipe), on this rank's tensor-parallel shards of the block under
+        ``config.tp > 1`` (the parts are shape-agnostic: ``pre`` returns this rank's heads), with the MLP
+        chunked in ``post`` when asked for."""
         from lightning_parallel.mlp_chunks import chunk_mlp
 
+        if config.tp > 1:
+            self._shard(block, config, tp_layout, prefix)
         if config.mlp_chunks > 1:
             owner, attr, dim = self.mlp_site(block, config)
             chunk_mlp(owner, attr, config.mlp_chunks, dim, type(block).__name__)
         return adapter_split(self.adapter, block)
+
+    def _shard(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> None:
+        """Tensor parallelism: the block's projections sharded by the adapter's plan (or ``tp_plan=``)."""
+        from lightning_parallel import tensor_parallel as tp
+
+        plan = tp.expand_plan(block, dict(config.tp_plan)) if config.tp_plan else self.adapter.tp_plan(block)
+        tp.check_heads(block, self.adapter.head_counts(block), config.tp)
+        tp.check_divisible(block, plan, config.tp)
+        tp.shard_modules(block, prefix, plan, config.tp_mesh, tp_layout, config.tp_sequence_parallel)
 
     def mlp_site(self, block: nn.Module, config: Any) -> tuple[nn.Module, str, int]:
         if config.mlp_module is not None:
@@ -155,14 +169,10 @@ class AdapterAnatomy:
         return site
 
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> Any:
-        from lightning_parallel import tensor_parallel as tp
         from lightning_parallel.mlp_chunks import chunk_mlp
 
         if config.tp > 1:
-            plan = tp.expand_plan(block, dict(config.tp_plan)) if config.tp_plan else self.adapter.tp_plan(block)
-            tp.check_heads(block, self.adapter.head_counts(block), config.tp)
-            tp.check_divisible(block, plan, config.tp)
-            tp.shard_modules(block, prefix, plan, config.tp_mesh, tp_layout, config.tp_sequence_parallel)
+            self._shard(block, config, tp_layout, prefix)
         if config.mlp_chunks > 1:
             owner, attr, dim = self.mlp_site(block, config)
             chunk_mlp(owner, attr, config.mlp_chunks, dim, type(block).__name__)

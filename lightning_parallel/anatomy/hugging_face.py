@@ -304,7 +304,7 @@ class HuggingFaceAnatomy:
             self._route(block, config)
         return _HFForward()
 
-    def helix_split(self, block: nn.Module, config: Any) -> Split:
+    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "") -> Split:
         """The block traced with its attention call as one op (the cut), split there (HelixPipe)."""
         from lightning_parallel.anatomy.traced import TracedAnatomy
         from lightning_parallel.anatomy.traced.program import trace
@@ -325,8 +325,29 @@ class HuggingFaceAnatomy:
         if not calls:
             raise Unsupported("the block does not call transformers' attention registry")
         resolve_calls(program.gm, calls)
-        split = TracedAnatomy(program, type(block).__name__).helix_split(block, config)
-        return replace(split, name="hugging_face")
+        if config.mlp_module is None and isinstance(getattr(block, "mlp", None), nn.Module):
+            config = replace(config, mlp_module="mlp")  # the family's MLP, as local_forward chunks it (a mixture too)
+        split = TracedAnatomy(program, type(block).__name__).helix_split(block, config, tp_layout, prefix)
+        return replace(split, name="hugging_face", heads_dim=2, attention_call=_call_of(*calls.values()))
+
+
+def _call_of(traced: tuple[str, dict]) -> Any:
+    """The parameters of a traced attention call (ring attention's arguments), as :func:`_attention` reads them."""
+    path, static = traced
+
+    def call(block: nn.Module, args: tuple, kwargs: dict) -> AttentionCall:
+        mask = argument(block, args, kwargs, "attention_mask")
+        mask = mask if isinstance(mask, Tensor) else None
+        module = block.get_submodule(path)
+        if mask is None and static.get("sliding_window") is not None:
+            raise ConfigurationError(
+                f"sequence_parallel_mode='ring' needs the sliding window ({static['sliding_window']}) as an explicit"
+                f" mask; the {type(module).__name__} call passed none: use sequence_parallel_mode='ulysses'"
+            )
+        causal = getattr(module, "is_causal", True) and mask is None
+        return AttentionCall(causal, static.get("scaling"), static.get("dropout", 0.0), mask, static.get("softcap"))
+
+    return call
 
 
 class _HFForward:

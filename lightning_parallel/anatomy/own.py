@@ -30,7 +30,7 @@ class OwnAnatomy:
     def heads(self, block: nn.Module) -> tuple[int, int]:
         raise Unsupported("the block's own forward does not know its head counts")
 
-    def helix_split(self, block: nn.Module, config: Any) -> Split:
+    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "") -> Split:
         raise Unsupported("the block's own forward cannot be cut at its attention call")
 
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> Any:

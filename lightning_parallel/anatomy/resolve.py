@@ -22,8 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
-from lightning_parallel.anatomy.verify import plain_gradients, verify
-from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Split, Unsupported
+from lightning_parallel.anatomy.verify import single_process_gradients, verify
+from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Unsupported
 
 SOURCES = ("adapters", "hugging_face", "own_forward", "traced")
 
@@ -83,6 +83,8 @@ def explain(block: nn.Module, config: Any, reasons: list[str]) -> str:
     hints = []
     if config.mlp_chunks > 1 and config.tp == 1 and config.sp == 1 and not config.split:
         hints.append("name the MLP with mlp_module='path.in.block'")
+    elif config.mlp_chunks > 1 and any("MLP" in r or "mlp_module" in r for r in reasons):
+        hints.append(f"pass mlp_chunks=1 (the MLP unchunked; mlp_chunks={config.mlp_chunks} found no MLP to chunk)")
     if config.tp > 1 and config.sp == 1 and not config.tp_plan:
         hints.append("name the projections with tp_plan={'pattern': 'colwise' | 'rowwise' | 'colwise_qkv'}")
     elif config.tp > 1 and config.tp_plan:
@@ -136,17 +138,43 @@ def first_verified(
 
 
 def verified_split(
-    block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any, winner: str | None = None
-) -> tuple[str, Split]:
-    """``(source, split)``: ``block`` cut at its attention call (HelixPipe) by the first source whose split
-    reproduces the block's own forward and gradients on ``sample`` (:func:`first_verified`)."""
+    block: nn.Module,
+    sample: tuple[Tensor, tuple, dict],
+    config: Any,
+    winner: str | None = None,
+    layouts: Any = None,
+    prefix: str = "",
+) -> tuple[str, Any]:
+    """``(source, parts)``: ``block`` cut at its attention call (HelixPipe) by the first source whose split
+    reproduces the block's own forward and gradients on ``sample`` (:func:`first_verified`), composed with this
+    rank's tensor parallelism (the block sharded, the parts running on its heads; ``layouts.tp`` records the
+    sharding) and sequence parallelism (a :class:`~lightning_parallel.sequence_parallel.SplitOverSequence`;
+    ``layouts.sp`` records the parameters whose gradients are summed over sp). The candidates are verified on
+    copies, the verdict agreed over the tp and sp groups; then ``block`` itself is sharded (its parameters
+    replaced: the caller hands the new ones to the optimizers). ``prefix``: the block's parameters' full names
+    start with it (the checkpoint's names of permuted fused projections)."""
+    from lightning_parallel.sequence_parallel import SequenceParallelLayout, SplitOverSequence, check_heads
+    from lightning_parallel.tensor_parallel import TensorParallelLayout
+
+    def compose(anatomy: Any, target: nn.Module, tp: Any, sp: Any, names: str) -> Any:
+        split = anatomy.helix_split(target, config, tp, names)
+        if config.sp == 1:
+            return split
+        check_heads(*anatomy.heads(target), config.sp, config.sp_mode, type(target).__name__, config.tp)
+        if sp is not None:
+            sp.partial += list(target.parameters())
+        return SplitOverSequence(split, anatomy, config.sp_mesh, config.sp_mode)
 
     def build(anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
         def candidate(copy: nn.Module) -> tuple[Any, Any]:
-            split = anatomy.helix_split(copy, config)
-            return (lambda m, x, a, kw: split(m, x, a, kw)), plain_gradients
+            tp = TensorParallelLayout(config.tp_mesh) if config.tp > 1 else None
+            sp = SequenceParallelLayout(config.sp_mesh, config.sp_mode) if config.sp > 1 else None
+            parts = compose(anatomy, copy, tp, sp, "")
+            return (lambda m, x, a, kw: parts(m, x, a, kw)), lambda m: single_process_gradients(m, tp, sp)
 
         return candidate
 
-    source, anatomy = first_verified(block, sample, config, winner, build, [])
-    return source, anatomy.helix_split(block, config)
+    groups = [m.get_group() for m in (config.tp_mesh, config.sp_mesh) if m is not None and m.size() > 1]
+    source, anatomy = first_verified(block, sample, config, winner, build, groups)
+    tp, sp = (layouts.tp, layouts.sp) if layouts is not None else (None, None)
+    return source, compose(anatomy, block, tp, sp, prefix)

@@ -30,11 +30,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import Split
 from lightning_parallel.pipeline.capture import substitute, wrap_output
 from lightning_parallel.pipeline.helix_schedule import attention_stage
 from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext, detached
 from lightning_parallel.pipeline.schedules import Action
+from lightning_parallel.sequence_parallel import SplitOverSequence
 
 
 class HelixRuntime(PipelineRuntime):
@@ -43,7 +43,9 @@ class HelixRuntime(PipelineRuntime):
 
     def __init__(self, *args: Any, folds: int, recompute: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.splits: list[Split] = []  # per layer, set once verified (the strategy's first step)
+        # per layer, set once verified (the strategy's first step): a Split, or under sequence parallelism a
+        # SplitOverSequence (its parts take the micro-batch's sequence shard)
+        self.splits: list[Any] = []
         self.folds, self.recompute = folds, recompute
         self.num_layers = len(self.trunk)
         self.num_indices = self.num_layers + 2
@@ -79,6 +81,41 @@ class HelixRuntime(PipelineRuntime):
     def _attention_stage(self, layer: int, mb: int) -> int:
         return attention_stage(layer, mb, self.num_stages, self.folds)
 
+    # ------------------------------------------------------------------------------- the parts
+    # Layer k = i + 1 is block i; under sequence parallelism every part takes the micro-batch's shard (one for
+    # the whole trunk: the hidden state enters it at P_0 and leaves it at P_L), otherwise ``shard`` is None.
+    @property
+    def _sequence_parallel(self) -> bool:
+        return bool(self.splits) and isinstance(self.splits[0], SplitOverSequence)
+
+    def _shard(self, ctx: StepContext, mb: int) -> Any:
+        if not self._sequence_parallel:
+            return None
+        if mb not in ctx.shards:
+            cap = self._capture(ctx, mb)
+            args, kwargs = cap.block_args[0]
+            ctx.shards[mb] = self.splits[0].shard(self.trunk.blocks[0], cap.trunk_input, args, kwargs)
+        return ctx.shards[mb]
+
+    def _pre(self, i: int, x: Tensor, args: tuple, kwargs: dict, shard: Any) -> Any:
+        extra = () if shard is None else (shard,)
+        return self.splits[i].pre(self.trunk.blocks[i], x, args, kwargs, *extra)
+
+    def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict, shard: Any) -> Tensor:
+        extra = () if shard is None else (shard,)
+        return self.splits[i].attention(self.trunk.blocks[i], q, k, v, args, kwargs, *extra)
+
+    def _post_part(self, i: int, out: Tensor, state: tuple, args: tuple, kwargs: dict, shard: Any) -> Tensor:
+        extra = () if shard is None else (shard,)
+        y = self.splits[i].post(self.trunk.blocks[i], out, state, args, kwargs, *extra)
+        y = y if isinstance(y, Tensor) else y[0]
+        if shard is not None and i == self.num_layers - 1:  # the trunk's exit: the whole sequence again
+            y = self.splits[i].exit(self.trunk.blocks[i], y, shard)
+        return y
+
+    def _enter(self, x: Tensor, shard: Any) -> Tensor:
+        return x if shard is None else self.splits[0].enter(self.trunk.blocks[0], x, shard)
+
     # --------------------------------------------------------------------------------- steps
     def _block_args(self, ctx: StepContext, mb: int, layer: int) -> tuple[tuple, dict]:
         return self._capture(ctx, mb).block_args[layer - 1]
@@ -87,7 +124,7 @@ class HelixRuntime(PipelineRuntime):
         j, mb, p = a.chunk, a.microbatch, self.num_stages
         q, k, v, *state = self._recv(ctx, 4, (j - 1) % p, a)
         args, kwargs = self._block_args(ctx, mb, j)
-        out = self.splits[j - 1].attention(self.trunk.blocks[j - 1], q, k, v, args, kwargs)
+        out = self._attend(j - 1, q, k, v, args, kwargs, self._shard(ctx, mb))
         ctx.saved[a] = ([q, k, v, *state], [out])
         self._send(ctx, [out, *state], j % p, "FP", j, mb)
 
@@ -107,10 +144,12 @@ class HelixRuntime(PipelineRuntime):
     ) -> list[Tensor]:
         """post-attention of layer j (unless j == 0) then pre-attention of layer j+1: (q, k, v, *state)."""
 
+        shard = self._shard(ctx, mb)
+
         def run(*tensors: Tensor) -> tuple[Tensor, ...]:
-            x = trunk_input if j == 0 else self._post(ctx, j, mb, tensors[0], tensors[1:])
+            x = self._enter(trunk_input, shard) if j == 0 else self._post(ctx, j, mb, tensors[0], tensors[1:])
             args, kwargs = self._block_args(ctx, mb, j + 1)
-            (q, k, v), state = self.splits[j].pre(self.trunk.blocks[j], x, args, kwargs)
+            (q, k, v), state = self._pre(j, x, args, kwargs, shard)
             return (q, k, v, *state)
 
         if self.recompute and j > 0:
@@ -119,8 +158,7 @@ class HelixRuntime(PipelineRuntime):
 
     def _post(self, ctx: StepContext, layer: int, mb: int, out: Tensor, state: tuple[Tensor, ...]) -> Tensor:
         args, kwargs = self._block_args(ctx, mb, layer)
-        y = self.splits[layer - 1].post(self.trunk.blocks[layer - 1], out, tuple(state), args, kwargs)
-        return y if isinstance(y, Tensor) else y[0]
+        return self._post_part(layer - 1, out, tuple(state), args, kwargs, self._shard(ctx, mb))
 
     def _loss_forward(self, ctx: StepContext, a: Action, inputs: list[Tensor]) -> None:
         mb = a.microbatch
@@ -198,11 +236,12 @@ class HelixRuntime(PipelineRuntime):
         k mod p (which also runs layer k+1's pre-attention); the hidden state is carried between calls."""
         p = self.num_stages
         pre_stage, post_stage = i % p, (i + 1) % p
-        split = self.splits[i]
         tag = self.tag("E", ev.passes, i)
+        if i == 0 and self._sequence_parallel:  # the pass's shard, on every stage alike
+            ev.shard = self.splits[0].shard(block, hidden, args, kwargs)
         if self.stage == pre_stage:
-            x = hidden if i == 0 else ev.carry
-            (q, k, v), rest = split.pre(block, x, args, kwargs)
+            x = self._enter(hidden, ev.shard) if i == 0 else ev.carry
+            (q, k, v), rest = self._pre(i, x, args, kwargs, ev.shard)
             if post_stage != pre_stage:
                 ev.sends += _collectives.isend_packed([q, k, v, *rest], self.rank_of_stage(post_stage), tag, self.group)
         if self.stage == post_stage:
@@ -210,24 +249,21 @@ class HelixRuntime(PipelineRuntime):
                 (q, k, v, *rest), _ = _collectives.recv_packed(
                     self.rank_of_stage(pre_stage), tag, self.group, self.device
                 )
-            out = split.attention(block, q, k, v, args, kwargs)
-            y = split.post(block, out, tuple(rest), args, kwargs)
-            ev.carry = y if isinstance(y, Tensor) else y[0]
+            out = self._attend(i, q, k, v, args, kwargs, ev.shard)
+            ev.carry = self._post_part(i, out, tuple(rest), args, kwargs, ev.shard)
         return None, (ev.carry if i == self.num_layers - 1 and self.stage == 0 else None)
 
 
-def place_block(i: int, block: nn.Module, split: Split, stage: int, num_stages: int) -> set[int]:
+def place_block(i: int, block: nn.Module, split: Any, stage: int, num_stages: int) -> set[int]:
     """Free what ``stage`` does not run of block ``i`` (layer k = i + 1): its pre-attention parameters live on
-    stage (k-1) mod p, the rest of it on stage k mod p. Returns the ids of the parameters that were freed."""
+    stage (k-1) mod p, the rest of it on stage k mod p. A freed parameter becomes a plain meta tensor of its
+    whole shape (a tensor-parallel shard's too). Returns the ids of the parameters that were freed."""
     freed: set[int] = set()
     for name, param in list(block.named_parameters()):
         if (i % num_stages if name in split.pre_parameters else (i + 1) % num_stages) != stage:
             freed.add(id(param))
             owner_name, _, attr = name.rpartition(".")
             owner = block.get_submodule(owner_name) if owner_name else block
-            setattr(
-                owner,
-                attr,
-                torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad),
-            )
+            meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            setattr(owner, attr, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
     return freed

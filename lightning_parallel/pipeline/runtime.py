@@ -125,6 +125,7 @@ class StepContext:
     local: dict[tuple, list[Tensor]] = field(default_factory=dict)  # messages to this same stage (helix)
     sends: dict[int, list[tuple[Any, Tensor]]] = field(default_factory=dict)  # per micro-batch, until complete
     results: dict[int, tuple[Tensor, Any]] = field(default_factory=dict)
+    shards: dict[int, Any] = field(default_factory=dict)  # per micro-batch, its sequence shard (helix x sp)
     clock: RecvClock = field(default_factory=RecvClock)
     split: bool = False  # the schedule splits the backward into I and W
 
@@ -156,6 +157,7 @@ class EvalContext:
     passes: int = 0
     sends: list[tuple[Any, Tensor]] = field(default_factory=list)
     carry: Any = None
+    shard: Any = None  # the trunk pass's sequence shard (helix x sp)
 
 
 class PipelineRuntime:

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.resolve import verified_split
 from lightning_parallel.blocks import BlockConfig
-from lightning_parallel.mesh import DP, PP, Size
+from lightning_parallel.mesh import DP, PP, SP, TP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
 from lightning_parallel.pipeline.microbatch import split_microbatches
@@ -87,20 +87,15 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             )
         if folds not in (1, 2):
             raise ValueError(f"folds must be 1 or 2, got {folds!r}")
-        if kwargs.get("sequence_parallel_size", 1) != 1:
-            raise ValueError(
-                f"helix with sequence_parallel_size={kwargs['sequence_parallel_size']} is not supported: its attention"
-                " runs on another stage; use strategy='pipeline' for pp x sp"
-            )
         if kwargs.get("recompute_offload"):
             raise ValueError(
                 "helix with recompute_offload=True is not supported: its runtime keeps each layer's attention output"
                 " for the backward itself; use strategy='pipeline' or 'sequence_parallel' for offloaded activations"
             )
-        if kwargs.get("tensor_parallel_size", 1) != 1:
+        if kwargs.get("tp_sequence_parallel"):
             raise ValueError(
-                f"helix with tensor_parallel_size={kwargs['tensor_parallel_size']} is not supported: its param chunks"
-                " cut blocks where tensor parallelism shards them; use strategy='pipeline' for pp x tp"
+                "helix with tp_sequence_parallel=True is not supported: its stages exchange each layer's residual"
+                " whole; use sequence_parallel_size= (Ulysses or ring inside each helix stage) to split the sequence"
             )
         super().__init__(
             pipeline_parallel_size=pipeline_parallel_size,
@@ -169,7 +164,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
 
     @override
     def _broadcast_block(self, block: nn.Module, axes: tuple[str, ...] = ()) -> None:
-        super()._broadcast_block(block, (DP, PP))  # every helix rank holds a block whole until it is split
+        super()._broadcast_block(block, (DP, PP, SP, TP))  # every helix rank holds a block whole until it is split
 
     @override
     def _deferred_blocks(self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, nn.Module]]) -> list[Any]:
@@ -238,11 +233,16 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         with torch.random.fork_rng(), recording(lm, LogRecorder()), self.precision_plugin.train_step_context():
             step = lambda: lm.training_step(micro[0], *rest, **kwargs)  # noqa: E731
             cap = runtime.capture_step(step, probe=copy.deepcopy(runtime.trunk.blocks[0]).to("meta"))
-        config, winner = self._block_config(), None
+        config, winner, layer = self._block_config(), None, self._blocks
+        assert layer is not None
         for j, block in enumerate(runtime.trunk.blocks):  # one block whole at a time
             self._materialize_at_first_call(block)  # a deferred block, kept on meta until now
             sample = (cap.trunk_input.detach(), *cap.block_args[j])
-            winner, split = verified_split(block, sample, config, winner)
+            before, prefix = dict(block.named_parameters()), layer.prefix(j)
+            # under tensor parallelism the block is sharded here (its parameters replaced in the optimizers)
+            winner, split = verified_split(block, sample, config, winner, layer.layouts, prefix)
+            after = dict(block.named_parameters())
+            self._replace_parameters([(before[n], p, f"{prefix}{n}") for n, p in after.items() if p is not before[n]])
             self._splits.append(split)
             drop_parameters(self.optimizers, place_block(j, block, self._splits[j], self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)

@@ -11,19 +11,20 @@ from tests.helpers.distributed import RankFailed
 from tests.helpers.parity import assert_parity
 from tests.helpers.zoo import HF_FAMILIES
 
-# name -> (strategy factory, data-parallel size); every column runs on 2 ranks
+# name -> (strategy factory, data-parallel size, ranks)
 COLUMNS = {
-    "pipeline": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 1),
-    "helix": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 1),
-    "tensor_parallel": (lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 1),
-    "ulysses": (lambda: HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2), 1),
+    "pipeline": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 1, 2),
+    "helix": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 1, 2),
+    "tensor_parallel": (lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 1, 2),
+    "ulysses": (lambda: HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2), 1, 2),
     "ring": (
         lambda: HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, sequence_parallel_mode="ring"),
         1,
+        2,
     ),
-    "hybrid": (lambda: HybridParallelStrategy(data_parallel_size=2, recompute="no_attention", mlp_chunks=2), 2),
+    "hybrid": (lambda: HybridParallelStrategy(data_parallel_size=2, recompute="no_attention", mlp_chunks=2), 2, 2),
+    "helix_tp": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), 1, 4),
 }
-WORLD_SIZE = 2
 COLUMN_TITLES = {
     "pipeline": "pipeline pp=2",
     "helix": "helix p=2",
@@ -31,6 +32,7 @@ COLUMN_TITLES = {
     "ulysses": "sequence_parallel Ulysses sp=2",
     "ring": "sequence_parallel ring sp=2",
     "hybrid": "hybrid dp=2, no_attention, mlp_chunks=2",
+    "helix_tp": "helix p=2 x tp=2",
 }
 # the library's own errors: a cell that fails must end with one of these, never an internal traceback
 CLEAR = re.compile(r"lightning_parallel\.block_protocol\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
@@ -46,9 +48,9 @@ class Cell:
 def run_cell(row: str, column: str, factory: object = None) -> Cell:
     """Train ``row`` under ``column`` against one process (float32 with SGD, docs/design.md "Parity tests"). A failing rank's
     error is returned if it is one of the library's clear errors; anything else propagates."""
-    make, dp = COLUMNS[column]
+    make, dp, world = COLUMNS[column]
     try:
-        records = assert_parity(row, factory or make, WORLD_SIZE, data_parallel_size=dp, dtype="float32", steps=2)
+        records = assert_parity(row, factory or make, world, data_parallel_size=dp, dtype="float32", steps=2)
     except RankFailed as failure:
         match = CLEAR.search(str(failure))
         if match is None:

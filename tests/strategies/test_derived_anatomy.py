@@ -25,8 +25,8 @@ def _without_adapters(make):
     "model", ["gpt", pytest.param("llama", marks=pytest.mark.slow), pytest.param("encoder", marks=pytest.mark.slow)]
 )
 def test_example_models_through_the_traced_graph_alone(model, column):
-    make, dp = COLUMNS[column]
-    for records in assert_parity(model, _without_adapters(make), 2, data_parallel_size=dp):
+    make, dp, world = COLUMNS[column]
+    for records in assert_parity(model, _without_adapters(make), world, data_parallel_size=dp):
         # plain pipelining needs no anatomy; every other column composes its blocks from the traced graph
         assert set(records.anatomy) == (set() if column == "pipeline" else {"the traced graph"}), records.anatomy
 
@@ -34,7 +34,7 @@ def test_example_models_through_the_traced_graph_alone(model, column):
 def _fit_with_validation(rank, world_size, column):
     from tests.helpers.trainers import quick_fit
 
-    make, _ = COLUMNS[column]
+    make, _, _ = COLUMNS[column]
     module, data = build("gpt", 8, "sgd")
     trainer = quick_fit(module, data, _without_adapters(make)(), world_size, steps=2, limit_val_batches=2,
                         val_check_interval=2)  # fmt: skip

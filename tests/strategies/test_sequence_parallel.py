@@ -108,14 +108,10 @@ def test_bad_input_is_named(make_module, kwargs, message):
 
 
 def test_unsupported_combinations_are_refused_at_construction():
-    from lightning_parallel import HelixParallelStrategy
-
     with pytest.raises(ValueError, match="sequence_parallel_mode='zigzag'; choose one of"):
         HybridParallelStrategy(sequence_parallel_size=2, sequence_parallel_mode="zigzag")
     with pytest.raises(ValueError, match="cannot be combined with tp_sequence_parallel=True"):
         HybridParallelStrategy(sequence_parallel_size=2, tensor_parallel_size=2, tp_sequence_parallel=True)
-    with pytest.raises(ValueError, match="helix with sequence_parallel_size=2 is not supported"):
-        HelixParallelStrategy(pipeline_parallel_size=2, sequence_parallel_size=2)
 
 
 def _trunk_kept_bytes(rank, world_size, mode):

@@ -264,11 +264,13 @@ def test_bad_input_is_named(model_fn, kwargs, message):
         run_distributed(_fit, 2, model_fn, kwargs, init_process_group=False, timeout=60)
 
 
-def test_helix_refuses_tensor_parallelism():
+def test_helix_refuses_megatron_sequence_sharding():
     from lightning_parallel import HelixParallelStrategy
 
-    with pytest.raises(ValueError, match="helix with tensor_parallel_size=2 is not supported"):
-        HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(
+        ValueError, match="helix with tp_sequence_parallel=True is not supported.*sequence_parallel_size="
+    ):
+        HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, tp_sequence_parallel=True)
 
 
 def _norm_input_lengths(rank, world_size, model):

@@ -99,10 +99,21 @@ class TracedAnatomy:
         recipe = _Recipe(self.program, config, plan, self.block_name)
         return GraphForward(recipe, {self.program.training: recipe.transform(self.program)})
 
-    def helix_split(self, block: nn.Module, config: Any) -> Split:
+    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "") -> Split:
+        """The graph cut at its attention call (HelixPipe); under ``config.tp > 1`` the block's parameters are
+        sharded by the plan derived from the graph and the graph is localised to the shards first, so the
+        parts run on this rank's heads (Megatron's f and g inside ``pre`` and ``post``)."""
         from lightning_parallel.anatomy.traced.regions import split
 
-        return split(self.program, self.site, config, self.block_name)
+        program, site = self.program, self.site
+        if config.tp > 1:
+            from lightning_parallel.anatomy.traced.tensor import derive, localise, shard
+
+            plan = derive(program, config.tp)
+            shard(block, plan, config.tp_mesh, tp_layout, prefix)
+            program = localise(program, config.tp_mesh, plan)
+            site = analyse(program)
+        return split(program, site, config, self.block_name)
 
 
 class _Recipe:

@@ -132,9 +132,11 @@ def label(program: Program, attentions: list[fx.Node], sources: set[fx.Node], pr
             for i, a in enumerate(node.args[:3]):
                 out.attention_in[(node, i)] = dict(out.values.get(a, {}))
             if node.args[0] in out.values and out.values[node.args[0]]:  # sharded heads: the output is too
-                B, H, T, D = _shape(node)
-                labels = (torch.arange(H)[:, None, None] * D + torch.arange(D)).expand(B, H, T, D).contiguous()
-                out.values[node] = {node: labels}
+                H, D = attention_heads(node)
+                per_head = torch.arange(H)[:, None] * D + torch.arange(D)  # (H, D)
+                if _heads_dim(node) == 1:
+                    per_head = per_head[:, None, :]  # (H, 1, D): (B, H, T, D)
+                out.values[node] = {node: per_head.expand(*_shape(node)).contiguous()}
             continue
         if not inputs:
             derived = set().union(*(params_of.get(a, set()) for a in node.all_input_nodes))
@@ -153,6 +155,17 @@ def label(program: Program, attentions: list[fx.Node], sources: set[fx.Node], pr
                 out.replicated_params.setdefault(source, set()).update(params_of.get(a, set()))
         out.values[node] = _apply(node, inputs, out)
     return out
+
+
+def _heads_dim(attention: fx.Node) -> int:
+    """Where the heads are in an attention call's output: SDPA's (B, H, T, D), transformers' (B, T, H, D)."""
+    return 2 if getattr(attention.target, "hf_attention_call", False) else 1
+
+
+def attention_heads(attention: fx.Node) -> tuple[int, int]:
+    """(heads, head dim) of an attention call's output."""
+    shape = _shape(attention)
+    return shape[_heads_dim(attention)], shape[-1]
 
 
 def base(source: Any) -> Any:

@@ -30,7 +30,7 @@ from lightning_parallel.anatomy.traced.analysis import Site, expr_of
 from lightning_parallel.anatomy.traced.labels import _ELEMENTWISE, _IDENTITY, projections
 from lightning_parallel.anatomy.traced.program import Program, _buffer, _param
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
-from lightning_parallel.block_protocol import ConfigurationError, Split, Unsupported
+from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported
 
 _DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
 # taking parts of a fused MLP input (gate | up) along its features: still token-wise
@@ -168,7 +168,21 @@ def split(program: Program, site: Site, config: Any, block_name: str) -> Split:
         site = replace(site, attention=_same_node(program, site.attention))
     parts = _partition(program, site)
     pre, attention, post = _callables(program, parts, site.attention)
-    return Split("the traced graph", pre, attention, post, pre_parameters=frozenset(parts["pre_parameters"]))
+    return Split("the traced graph", pre, attention, post, pre_parameters=frozenset(parts["pre_parameters"]),
+                 attention_call=_static_call(site))  # fmt: skip
+
+
+def _static_call(site: Site) -> Any:
+    """The SDPA call's parameters where the graph fixes them (no mask tensor): ring attention's arguments."""
+    from lightning_parallel.anatomy.traced.sequence import sdpa_arguments
+
+    if site.kind != "sdpa":
+        return None
+    a = sdpa_arguments(site.attention)
+    if any(isinstance(a[k], fx.Node) for k in ("attn_mask", "dropout_p", "is_causal", "scale")):
+        return None
+    call = AttentionCall(bool(a["is_causal"]), a["scale"], float(a["dropout_p"]), None)
+    return lambda block, args, kwargs: call
 
 
 def _same_node(program: Program, old: fx.Node) -> fx.Node:

@@ -37,7 +37,17 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.traced.analysis import attention_nodes
-from lightning_parallel.anatomy.traced.labels import _MOVE, Labels, Projection, _hint, _shape, base, label, projections
+from lightning_parallel.anatomy.traced.labels import (
+    _MOVE,
+    Labels,
+    Projection,
+    _hint,
+    _shape,
+    attention_heads,
+    base,
+    label,
+    projections,
+)
 from lightning_parallel.anatomy.traced.program import Program
 from lightning_parallel.anatomy.traced.rewrite import rewrite
 from lightning_parallel.block_protocol import ConfigurationError, Unsupported
@@ -168,7 +178,7 @@ def _ranks(labels: Labels, tp: int, projs: dict) -> dict[Any, Tensor]:
             raise Unsupported(f"the columns of {source.name} do not split evenly over tensor_parallel_size={tp}")
     for node, value in labels.values.items():  # sharded attention calls
         if node not in projs and isinstance(value, dict) and node in value:
-            _, H, _, D = _shape(node)
+            H, D = attention_heads(node)
             ranks[node] = torch.arange(H * D) // D // (H // tp)
     return ranks
 
@@ -259,6 +269,7 @@ def _localise(program: Program, plan: Plan, tp: int, group: Any) -> Program:
             x = plan.colwise[node].input
             if x not in copied:
                 copied[x] = graph.call_function(copy_in, (env[x],))
+                copied[x].meta = dict(x.meta)  # the same value (chunking the MLP reads its input's shape)
             args = list(fx.node.map_arg(node.args, lambda n: env[n]))
             position = 0 if node.target != aten.addmm.default else 1
             args[position] = copied[x]
