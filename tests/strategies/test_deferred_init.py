@@ -37,6 +37,8 @@ LAYOUTS = {
         4,
         1,
     ),
+    "helix p=2 x tp=2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), 4, 1),
+    "helix p=2 x sp=2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, sequence_parallel_size=2), 4, 1),
 }
 
 
@@ -56,7 +58,8 @@ def test_init_module_empty_init_is_materialised_with_parity(layout):
 
 
 @pytest.mark.parametrize(
-    "layout", ["pipeline pp=2", "helix p=2", "tensor_parallel tp=2", "sequence_parallel sp=2", "hybrid dp=2"]
+    "layout",
+    ["pipeline pp=2", "helix p=2", "tensor_parallel tp=2", "sequence_parallel sp=2", "hybrid dp=2", "helix p=2 x tp=2"],
 )
 def test_ranks_initialised_differently_start_from_rank_0(layout):
     """Processes without a common seed build different weights (each rank here seeds with its rank): every

@@ -44,3 +44,112 @@ def test_p2_x_sp2_matrix(model, mode, recompute):
         model, helix(sequence_parallel_size=2, sequence_parallel_mode=mode, recompute=recompute), 4,
         data_parallel_size=1,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------- helix x dp x tp, and its optimizer sharding
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["none", "optimizer"])
+def test_dp2_x_p2_x_tp2_on_8_ranks(sharding):
+    strategy = helix(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding=sharding)
+    assert_parity("llama", strategy, 8, data_parallel_size=2, global_batch=16, gradient_clip_val=0.05)
+
+
+def test_dp2_x_p2_x_tp2_optimizer_sharding_fp32():
+    """The fast tier's 8-rank case: the whole mesh at once (dp x pp x tp), optimizer state sharded over dp."""
+    strategy = helix(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="optimizer")
+    assert_parity("gpt", strategy, 8, data_parallel_size=2, global_batch=16, dtype="float32", steps=2)
+
+
+@pytest.mark.slow
+def test_p2_x_tp2_x_sp2_on_8_ranks():
+    strategy = helix(tensor_parallel_size=2, sequence_parallel_size=2, sequence_parallel_mode="ring")
+    assert_parity("llama", strategy, 8, data_parallel_size=1)
+
+
+# --------------------------------------------------------------------------------------- evaluation (lock-step)
+def _validated(rank, world_size, kwargs):
+    from tests.helpers.parity import build
+    from tests.helpers.trainers import quick_fit
+
+    module, data = build("llama", 8, "sgd")
+    trainer = quick_fit(module, data, HelixParallelStrategy(pipeline_parallel_size=2, **kwargs), world_size, steps=2,
+                        limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=1)  # fmt: skip
+    return float(trainer.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(tensor_parallel_size=2), dict(sequence_parallel_size=2, sequence_parallel_mode="ring")]
+)
+def test_validation_before_and_after_the_split_equals_one_device(kwargs):
+    """The sanity check runs before the first step has split the blocks (every stage the whole model), the
+    validation after it runs the helix lock-step through each stage's tensor- or sequence-parallel parts."""
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.parity import _OneReplicaSampler, build
+    from tests.helpers.trainers import quick_fit
+
+    module, data = build("llama", 8, "sgd")
+    trainer = quick_fit(module, data, "auto", 1, steps=2, limit_val_batches=2, val_check_interval=2,
+                        callbacks=[_OneReplicaSampler()])  # fmt: skip
+    want = float(trainer.callback_metrics["val_loss"])
+    for got in run_distributed(_validated, 4, kwargs, init_process_group=False):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+def _fit_helix(rank, world_size, seq_len, model_kwargs, strategy_kwargs):
+    from examples.data import CharDataModule
+    from examples.models import Llama
+    from tests.helpers.trainers import quick_fit
+
+    data = CharDataModule(block_size=seq_len, batch_size=4, shuffle=False)
+    module = Llama(vocab_size=data.vocab_size, block_size=seq_len, **model_kwargs)
+    quick_fit(module, data, HelixParallelStrategy(pipeline_parallel_size=2, **strategy_kwargs), world_size)
+
+
+LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, dim=32, mlp_hidden=64)
+
+
+@pytest.mark.parametrize(
+    "seq_len,model_kwargs,strategy_kwargs,message",
+    [
+        (18, LLAMA, dict(sequence_parallel_size=2, sequence_parallel_mode="ring"),
+         r"sequence length \(18\) to be divisible by 2 x sequence_parallel_size \(4\)"),
+        (16, dict(LLAMA, n_kv_head=1), dict(sequence_parallel_size=2),
+         r"sequence_parallel_mode='ulysses' needs sequence_parallel_size=2 to divide the number of key/value heads \(1\)"),
+        (16, dict(LLAMA, n_kv_head=1), dict(tensor_parallel_size=2),
+         r"tensor_parallel_size=2 must divide the number of key/value heads \(1\)"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_named_on_every_rank(seq_len, model_kwargs, strategy_kwargs, message):
+    from tests.helpers.distributed import RankFailed, run_distributed
+
+    with pytest.raises(RankFailed, match=message):
+        run_distributed(_fit_helix, 4, seq_len, model_kwargs, strategy_kwargs, init_process_group=False, timeout=90)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_is_refused_with_the_way_out_and_trains_with_it():
+    """Mixtral's experts leave no MLP region for the traced graph to chunk: the default mlp_chunks=2 is refused
+    naming mlp_chunks=1, which reaches parity (the block cut from the Hugging Face metadata, tensor-parallel)."""
+    from tests.helpers.coverage import run_cell
+
+    refused = run_cell("hf:mixtral", "helix_tp")
+    assert refused.status == "error" and "no MLP in its graph" in refused.message, refused
+    cell = run_cell("hf:mixtral", "helix_tp", helix(tensor_parallel_size=2, mlp_chunks=1))
+    assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
+
+
+def _hint(rank, world_size):
+    from tests.helpers import zoo
+    from tests.helpers.trainers import quick_fit
+
+    module, data = zoo.build("hf:mixtral", 4, "sgd", 0.05, 16)
+    quick_fit(module, data, HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), world_size)
+
+
+@pytest.mark.slow
+def test_the_refusal_names_mlp_chunks_1():
+    from tests.helpers.distributed import RankFailed, run_distributed
+
+    with pytest.raises(RankFailed, match=r"pass mlp_chunks=1 \(the MLP unchunked"):
+        run_distributed(_hint, 4, init_process_group=False, timeout=120)
