@@ -69,6 +69,18 @@ LAYOUTS: dict[str, tuple[int, str]] = {
         "PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=4,"
         " data_parallel_sharding='full')",
     ),
+    "dp=2 x tp=2 full": (
+        4, "HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding='full')"
+    ),
+    "dp=2 x sp=2 full": (
+        4, "HybridParallelStrategy(data_parallel_size=2, sequence_parallel_size=2, data_parallel_sharding='full')"
+    ),
+    "pp=2 x dp=2 x tp=2 full": (
+        8,
+        "PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, tensor_parallel_size=2,"
+        " num_microbatches=4, data_parallel_sharding='full')",
+    ),
+    "helix p=2 x tp=2": (4, "HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)"),
     "Lightning ModelParallelStrategy (FSDP2) dp=2": (
         2, "ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)"
     ),

@@ -306,6 +306,21 @@ class BlockLayer:
         return [m.get_group() for m in (self.config.tp_mesh, self.config.sp_mesh) if m is not None and m.size() > 1]
 
     # ------------------------------------------------------------------------------ commit
+    def commit_all(
+        self, x: Tensor, block_args: list[tuple[tuple, dict]], before: Callable[[nn.Module], None] | None = None
+    ) -> None:
+        """Resolve, verify and commit every runner not committed yet, in block order, each on ``x`` (the trunk's
+        input: verification needs a real hidden state of the right shape, any block's) with its block's own
+        captured arguments; ``before(block)`` runs first (a deferred block materialises). Used where something
+        must see every block's final parameters before the first step (FSDP2 over tensor-parallel shards)."""
+        for index in sorted(self.runners):
+            runner = self.runners[index]
+            if runner.stack is None:
+                if before is not None:
+                    before(runner.block)
+                args, kwargs = block_args[index]
+                self.install_runner(runner, x, args, kwargs)
+
     def install_runner(self, runner: BlockRunner, x: Tensor, args: tuple, kwargs: dict) -> None:
         """Resolve, verify and commit ``runner``'s stack on its first real input."""
         block, config = runner.block, self.config

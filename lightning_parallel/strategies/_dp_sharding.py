@@ -6,11 +6,13 @@ error for a sharded weight used outside its module. The mechanisms themselves ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -20,6 +22,15 @@ from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP
 from lightning_parallel.strategies import _sharding
 from lightning_parallel.strategies._full_shard import fully_shard_model, is_fully_sharded
+from lightning_parallel.strategies._logging import (
+    LogRecorder,
+    MetricStepper,
+    recording,
+    restore_metrics,
+    snapshot_metrics,
+)
+from lightning_parallel.strategies._optimizers import replace_parameters
+from lightning_parallel.tensor_parallel import local
 from lightning_parallel.trunk import Trunk, discover_trunk
 
 
@@ -55,7 +66,7 @@ class DataParallelShardingMixin:
             for p, u in zip(whole, used):
                 if u and p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _collectives.all_reduce_mean_([p.grad for p, u in zip(whole, used) if u], group)
+            _collectives.all_reduce_mean_([local(p.grad) for p, u in zip(whole, used) if u], group)
         else:
             _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
 
@@ -65,7 +76,7 @@ class DataParallelShardingMixin:
         """Full sharding of a deferred model: materialise and shard one unit at a time, so a rank never holds
         more than its shards and one unit whole (a unit's eagerly built tensors take rank 0's values first)."""
         meta = any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
-        if not (self._fully_sharded and meta and not self._fsdp_root):
+        if not (self._fully_sharded and meta and not self._fsdp_root) or self._shards_after_commit:
             return
         gone = {id(b) for b in freed}
         held = [b for b in self._held_blocks(lm, trunk or self._trunk_or_none(lm)) if id(b) not in gone]
@@ -83,12 +94,68 @@ class DataParallelShardingMixin:
 
     def _fully_shard_built(self, lm: LightningModule) -> None:
         """Full sharding of a model built eagerly (after the set-up broadcast, which must see whole tensors)."""
-        if not self._fully_sharded or self._fsdp_root:
+        if not self._fully_sharded or self._fsdp_root or self._shards_after_commit:
             return
         held = self._held_blocks(lm)
         blocks = self._blocks.trunk.blocks if self._blocks is not None else []
         freed = [b for b in blocks if b not in held]
         self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1)
+
+    @property
+    def _shards_after_commit(self) -> bool:
+        """Full sharding above tensor or sequence parallelism: FSDP2 shards what the blocks' stacks made (tensor-
+        parallel DTensors; torchtitan's order), and a stack is verified on a copy of its block, which FSDP2's
+        modules refuse; so set-up shards nothing and :meth:`_commit_then_fully_shard` runs before the first step."""
+        dims = self.parallel_dims
+        return self._fully_sharded and (dims.tp > 1 or dims.sp > 1)
+
+    def _commit_then_fully_shard(
+        self, capture_step: Callable[[Callable[[], Any]], Any], step: Callable[[], Any]
+    ) -> None:
+        """Before the first step or evaluation under :attr:`_shards_after_commit`: the step is captured up to the
+        trunk (no graph, logs and metric states untouched, the random state restored), every local block's stack
+        is resolved, verified and committed on the captured trunk input with its own arguments (a deferred block
+        materialised just before: one block whole at a time), and then FSDP2 shards the blocks and (without a
+        pipeline) the modules outside them under one root, as at set-up otherwise. The optimizers take the new
+        parameters; the layouts' lists of parameters whose gradients are partial follow them."""
+        if not self._shards_after_commit or self._fsdp_root:
+            return
+        lm, layer = self.lightning_module, self._blocks
+        metrics = MetricStepper(lm, False).metrics
+        saved = snapshot_metrics(metrics)
+        try:
+            with torch.random.fork_rng(), recording(lm, LogRecorder()), torch.no_grad():
+                cap = capture_step(step)
+        finally:
+            restore_metrics(metrics, saved)
+        x = cap.trunk_input.detach()
+        if not torch.isfinite(x).all():  # a stage without the embedding computed it from placeholders (NaN)
+            x = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype).to(x.device)
+        layer.commit_all(x, cap.block_args, before=self._materialize_at_first_call)
+        before = dict(lm.named_parameters())
+        held = [runner.block for _, runner in sorted(layer.runners.items())]
+        freed = [b for b in layer.trunk.blocks if not any(b is h for h in held)]
+        self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1)
+        after = dict(lm.named_parameters())
+        replaced = [(before[n], after[n], n) for n in before if after[n] is not before[n]]
+        replace_parameters(self.optimizers, replaced, self._as_fsdp_shard)  # restored state: sharded alike
+        new_of = {id(old): new for old, new, _ in replaced}
+        for part in (layer.layouts.tp, layer.layouts.sp):
+            if part is not None:
+                part.partial = [new_of.get(id(p), p) for p in part.partial]
+
+    def _as_fsdp_shard(self, name: str, value: Any, like: Any) -> Any:
+        """Optimizer state (restored before the first step) of a parameter FSDP2 has just sharded, cut like it:
+        FSDP2 cuts each rank's local tensor (its tensor-parallel shard, or the whole tensor) in dim 0 into dp
+        chunks as ``torch.chunk`` does and keeps chunk ``dp rank``, so the state's local tensor is cut the same
+        way (no communication)."""
+        if not (torch.is_tensor(value) and isinstance(like, DTensor) and value.dim() and value.shape == like.shape):
+            return value
+        mine, rank = local(value), self.coordinate[DP]
+        chunks = mine.chunk(self.parallel_dims.dp, dim=0)
+        piece = chunks[rank] if rank < len(chunks) else mine.new_empty((0, *mine.shape[1:]))
+        return DTensor.from_local(piece.contiguous().to(like.device), like.device_mesh, like.placements,
+                                  run_check=False, shape=like.shape, stride=like.stride())  # fmt: skip
 
     @contextmanager
     def _explain_sharded_use(self) -> Any:

@@ -22,9 +22,14 @@ global gradient norm sums over the dp group (each rank holds a slice of every gr
 parameter used without calling that module (``x @ self.wte.weight.T``) is a slice at that moment;
 torch raises a mixed ``DTensor`` error, it never computes on the slice.
 
-Refused: tensor and sequence parallelism and helix (their blocks' parameters are already DTensors, are
-verified on a deep copy, which FSDP2's modules refuse, or are cut at the attention call, where FSDP2's
-hooks need whole module calls); ``data_parallel_sharding="optimizer"`` composes with all three.
+With tensor or sequence parallelism the order is torchtitan's: tensor parallelism first, FSDP2 over its
+DTensor shards on the dp dimension of the same mesh (each parameter a DTensor over (dp, tp)). The blocks'
+stacks shard them at their commit, which verifies each stack on a copy of the block (FSDP2's modules
+cannot be copied), so set-up shards nothing under this layout and the strategy commits every block before
+the first step or evaluation runs, then calls :func:`fully_shard_model`.
+
+Refused: helix (its runtime calls the parts of a block cut at its attention call, where FSDP2's hooks need
+whole module calls); ``data_parallel_sharding="optimizer"`` composes with it.
 """
 
 from __future__ import annotations
@@ -107,24 +112,19 @@ class _Root(nn.Module):
         raise RuntimeError("the full-sharding root is never called")
 
 
-def check_full(strategy_name: str, tp: int, sp: int, helix: bool) -> None:
+def check_full(strategy_name: str, helix: bool) -> None:
     """Refuse the layouts ``"full"`` does not compose with, naming the alternative."""
-    reason = None
     if helix:
-        reason = "helix runs each block cut at its attention call, so FSDP's per-module gathering never fires"
-    elif tp > 1:
-        reason = f"tensor_parallel_size={tp} already makes the block parameters DTensors"
-    elif sp > 1:
-        reason = f"sequence_parallel_size={sp} verifies each block on a copy, and FSDP's modules cannot be copied"
-    if reason:
         raise ValueError(
-            f"data_parallel_sharding='full' with {strategy_name!r} is not supported: {reason}; use"
-            " data_parallel_sharding='optimizer' (optimizer state and gradients sharded, parameters whole)"
+            f"data_parallel_sharding='full' with {strategy_name!r} is not supported: helix runs each block cut at its"
+            " attention call, so FSDP's per-module gathering never fires; use data_parallel_sharding='optimizer'"
+            " (optimizer state and gradients sharded, parameters whole)"
         )
 
 
 def is_fully_sharded(p: Any) -> bool:
-    """A parameter FSDP2 manages (a DTensor sharded over the dp mesh)."""
+    """A tensor stored in shards over the dp ranks: FSDP2's (a DTensor over dp, or over (dp, tp) above tensor
+    parallelism), or the pipeline's parameters outside the trunk under full sharding (over dp x pp)."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(p, DTensor)
+    return isinstance(p, DTensor) and any("dp" in n.split("_") for n in p.device_mesh.mesh_dim_names or ())

@@ -138,7 +138,7 @@ class PendingBlocksMixin:
         """The blocks of a deferred model materialised at their first call, not at set-up: tensor parallelism
         shards a block only once its first call has verified the stack, so materialising every block at set-up
         would hold them all whole."""
-        return [b for _, b in local] if config.tp_mesh is not None else []
+        return [b for _, b in local] if config.tp_mesh is not None or self._shards_after_commit else []
 
     def materialize_pending(self, blocks: Optional[list[torch.nn.Module]] = None, check: bool = False) -> None:
         """Materialise the deferred blocks still on meta (``blocks``: those among them; default: all), by the

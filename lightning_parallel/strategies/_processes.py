@@ -107,7 +107,7 @@ class ProcessesMixin:
         dims = self.parallel_dims
         self._refuse_unused(dims)
         if self._dp_sharding == "full" and dims.dp > 1:
-            check_full(self.strategy_name, dims.tp, dims.sp, self._cuts_blocks)
+            check_full(self.strategy_name, self._cuts_blocks)
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             environment = self.cluster_environment

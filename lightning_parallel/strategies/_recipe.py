@@ -49,6 +49,14 @@ _LOADED_ON_META = (
 )
 
 
+def sharded_along(t: Tensor, axis: str) -> bool:
+    """Whether ``t`` is a DTensor cut along the mesh axis ``axis`` (alone, or flattened with another: dp_pp)."""
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return any(axis in n.split("_") and not p.is_replicate() for n, p in zip(names, t.placements))
+
+
 class SetupRecipeMixin:
     """The set-up recipe of :class:`~lightning_parallel.HybridParallelStrategy` (module docstring); the pipeline
     strategies override its hooks ``_place_stages``, ``_placed``, ``_shard_outer`` and ``_needs_trunk``."""
@@ -180,9 +188,8 @@ class SetupRecipeMixin:
         dims = self.parallel_dims
         for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
             if size > 1:
-                # a DTensor is a shard along tp, and along dp under full sharding (FSDP's)
-                sharded_along = axis == TP or (axis == DP and self._fully_sharded)
-                tensors = [local(t.data) for t in held if not (sharded_along and isinstance(t, DTensor))]
+                # a shard along the axis (tensor parallelism's along tp, FSDP's along dp) stays as it is
+                tensors = [local(t.data) for t in held if not sharded_along(t, axis)]
                 _collectives.broadcast_(tensors, self._mesh.get_group(axis))
         if dims.pp > 1:
             shared = [t for t in self._shared_over_pp(module) if id(t) not in host]

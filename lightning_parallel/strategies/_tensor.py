@@ -33,7 +33,7 @@ class TensorParallelMixin:
         layout = self._tp_layout
         if layout is not None and layout.partial:
             mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            grads = [p.grad for p in layout.partial if id(p) in mine and p.grad is not None]
+            grads = [local(p.grad) for p in layout.partial if id(p) in mine and p.grad is not None]
             _collectives.all_reduce_sum_(grads, self.tp_group)
 
     @staticmethod

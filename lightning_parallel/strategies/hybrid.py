@@ -14,6 +14,7 @@ layout and, with gradient accumulation, runs once per optimizer step rather than
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
@@ -41,6 +42,7 @@ from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockLayer
 from lightning_parallel.mesh import DP, SP, TP, ParallelDims, Size, check_size
+from lightning_parallel.pipeline.capture import TrunkCallError, capture, probe_output_structure
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies import _failures, _sharding
@@ -287,13 +289,46 @@ class HybridParallelStrategy(
     # ---------------------------------------------------------------- training
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_first_call("training_step", args, kwargs)
         with self._explain_sharded_use(), self._heads.active():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_first_call("validation_step", args, kwargs)
         with self._heads.active(training=False):
             return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_first_call("test_step", args, kwargs)
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_first_call("predict_step", args, kwargs)
+        return super().predict_step(*args, **kwargs)
+
+    def _before_first_call(self, hook: str, args: tuple, kwargs: dict) -> None:
+        """Full sharding above tensor or sequence parallelism: commit the blocks, then shard (once, before the
+        first step or evaluation; :meth:`_commit_then_fully_shard`)."""
+        if self._shards_after_commit and not self._fsdp_root:
+            step = getattr(self.lightning_module, hook)
+            self._commit_then_fully_shard(self._capture_trunk, lambda: step(*args, **kwargs))
+
+    def _capture_trunk(self, step: Callable[[], Any]) -> Any:
+        """``step`` captured up to the trunk (:func:`lightning_parallel.pipeline.capture.capture`); a step that
+        indexes a block's output (``layer(h)[0]``) is captured again once the output's structure is known."""
+        trunk = self._blocks.trunk
+        try:
+            return capture(trunk, step, None)
+        except TrunkCallError as err:
+            if err.first_call is None:
+                raise
+            like = probe_output_structure(copy.deepcopy(trunk.blocks[0]).to("meta"), *err.first_call)
+            if like is None:
+                raise
+            return capture(trunk, step, like)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

@@ -296,6 +296,10 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         self._gather_outer_for_step()  # the sharded pre/post-trunk parameters, whole where they run
         if not self._outer_decided:  # the first step: which stages run the pre/post-trunk parameters
             self._place_outer(lambda: lm.training_step(micro[0], *rest, **kwargs))
+        if self._shards_after_commit and not self._fsdp_root:  # full sharding above tp / sp: commit, then shard
+            freed = outer.placeholders(self._freed_outer, self.root_device)
+            with self.precision_plugin.train_step_context(), no_fast_paths(), freed:
+                self._commit_then_fully_shard(runtime.capture_step, lambda: lm.training_step(micro[0], *rest, **kwargs))
         accumulate = lm.trainer.accumulate_grad_batches
         weights = [(s if self._loss_reduction == "mean" else float(s > 0)) / accumulate for s in shares]
         params = [p for p in lm.parameters() if p.device.type != "meta"]
@@ -396,6 +400,9 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         assert self.runtime is not None
         base = getattr(super(), hook)
         with no_fast_paths():
+            if self._shards_after_commit and not self._fsdp_root:  # full sharding above tp / sp: commit, then shard
+                step = getattr(self.lightning_module, hook)
+                self._commit_then_fully_shard(self.runtime.capture_step, lambda: step(*args, **kwargs))
             return self.runtime.lockstep(lambda: base(*args, **kwargs))
 
     @override

@@ -45,6 +45,11 @@ LAYOUTS = {
     "pp4": (lambda: PipelineParallelStrategy(pipeline_parallel_size=4, num_microbatches=4), 4, 1),
     "helix2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, 1),
     "helix2tp2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), 4, 1),
+    "dp2tp2full": (
+        lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="full"),
+        4,
+        2,
+    ),
     "auto": (lambda: "auto", 1, 1),  # Lightning's own single-device strategy and checkpoint format
     "tp2": (lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, 1),
     "pp2tp2": (
@@ -165,6 +170,7 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
         ("tp2", "gpt-deferred"),  # blocks still on meta read their keys (and optimizer state) at their first call
         ("helix2", "gpt-deferred"),
         ("helix2tp2", "gpt"),  # the fused q|k|v permuted and sharded, then placed on its stage
+        ("dp2tp2full", "gpt"),  # FSDP2's shards of tensor-parallel shards (the fused q|k|v gathered on save)
     ],
 )
 def test_resume_at_epoch_boundary_continues_the_straight_run_exactly(layout, model, tmp_path):
@@ -212,6 +218,9 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         ("tp2", "pp2"),  # the embedding and head: vocabulary shards -> shards over the stages
         ("tp2", "helix2tp2"),  # whole blocks restored, then sharded and placed at helix's first step
         ("helix2tp2", "one"),
+        ("dp2tp2full", "pp2"),
+        ("tp2", "dp2tp2full"),  # restored whole before the first step commits and shards the blocks
+        pytest.param("dp2tp2full", "helix2tp2", marks=pytest.mark.slow),
         pytest.param("pp2dp2full", "tp2", marks=pytest.mark.slow),  # dp2zero -> pp2dp2full, dp2zero -> tp2 fast
         (
             "pp2",

@@ -210,19 +210,9 @@ def test_full_sharding_halves_parameters_gradients_and_optimizer_state():
         assert grads == params and state == 2 * params  # AdamW: exp_avg and exp_avg_sq
 
 
-@pytest.mark.parametrize(
-    "make, message",
-    [
-        (lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="full"),
-         r"tensor_parallel_size=2 already makes .* use data_parallel_sharding='optimizer'"),
-        (lambda: HybridParallelStrategy(data_parallel_size=2, sequence_parallel_size=2, data_parallel_sharding="full"),
-         r"sequence_parallel_size=2 verifies each block on a copy"),
-        (lambda: HelixParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_sharding="full"),
-         r"'helix' is not supported: helix runs each block cut"),
-    ],
-)  # fmt: skip
-def test_full_sharding_refuses_what_it_cannot_compose_with(make, message):
-    with pytest.raises(ValueError, match=message):
+def test_full_sharding_refuses_helix_naming_optimizer_sharding():
+    make = lambda: HelixParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_sharding="full")  # noqa: E731
+    with pytest.raises(ValueError, match=r"'helix' is not supported: helix runs each block cut.*'optimizer'"):
         L.Trainer(accelerator="cpu", devices=4, strategy=make(), logger=False)
 
 
