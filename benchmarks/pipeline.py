@@ -23,6 +23,12 @@ repeat A/B/A/B after a warm-up round, and the table reports medians. Rows:
   ``+rc`` rows use recomputation without attention (helix's default, with its MLP in 2 chunks) and are
   compared with ``ours 1f1b +rc`` (1F1B with the same ``no_attention`` policy), like with like.
 
+Allocator: by default (``--allocator keep``) glibc keeps freed memory for reuse (``keep_freed_memory``), as
+CUDA's caching allocator does on a GPU; with glibc's own settings (``--allocator default``) a configuration
+that holds many activations (GPipe, helix without recomputation) gives them back to the OS after every step
+and pays page faults for them again in the next (measured at T=4096, m=4: helix's attention kernels 10-15 %
+slower than the same kernels under 1F1B; docs/benchmarks.md, HelixPipe).
+
 Also reported: the measured bubble fraction of each stage of the last timed step (idle / window, from
 our runtimes' timelines, with the transfer part of receives not counted as idle: exactly what
 ``BubbleProfiler`` logs, see ``lightning_parallel/callbacks/timeline.py``), parameter bytes per stage, and the peak live bytes per stage during one extra, untimed step
@@ -331,6 +337,17 @@ def theory(name: str, m: int, everyone: list, rank: int, cfg: Any) -> float:
     return sim.bubble(rank)
 
 
+def keep_freed_memory() -> None:
+    """Have glibc keep freed memory for reuse instead of giving it back to the OS (mmap threshold 32 MiB, no
+    trimming), as CUDA's caching allocator keeps it on a GPU; by default a step that holds many activations
+    (GPipe, helix) pays page faults for them again every step (docs/benchmarks.md, HelixPipe, issue 26)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD
+
+
 def init_worker(rank: int, port: int, minutes: int = 10) -> None:
     """One thread, and the 2-process gloo group ``run_two`` set up the port for."""
     torch.set_num_threads(1)
@@ -339,6 +356,8 @@ def init_worker(rank: int, port: int, minutes: int = 10) -> None:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
+    if args.allocator == "keep":
+        keep_freed_memory()
     init_worker(rank, port)
     rows = []
     for seq_len in args.seq_lens:
@@ -389,9 +408,12 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[8], help="micro-batches (= sequences per batch)")
     parser.add_argument("--configs", choices=sorted(CONFIGS), default="issue3")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--allocator", choices=["keep", "default"], default="keep",
+                        help="keep: glibc keeps freed memory between steps (keep_freed_memory); default: glibc's own")  # fmt: skip
     args = parser.parse_args()
     results = run_two(worker, args)
-    print(f"torch {torch.__version__}, 2 processes x 1 thread, medians of {args.reps} interleaved rounds\n")
+    print(f"torch {torch.__version__}, 2 processes x 1 thread, allocator {args.allocator}, medians of {args.reps}"
+          " interleaved rounds\n")  # fmt: skip
     columns = ["T", "m", "configuration", "step s (median)", "tokens/s", "vs single 1t", "vs torch 1F1B", "vs ours 1F1B",
                "bubble s0 / s1", "params MiB s0 / s1", "peak live MiB s0 / s1"]  # fmt: skip
     print("| " + " | ".join(columns) + " |")

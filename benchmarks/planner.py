@@ -18,7 +18,7 @@ apart from the schedule's waits) and those of the last timed round, and both ran
 spread by more than the chunked schedules differ, so a ranking is compared on the pairs of schedules that
 the rounds themselves order: a sign test over the paired rounds (each round runs every schedule back to
 back), two-sided, below ``--alpha`` (not corrected for the 21 pairs tested per T: about one pair in twenty
-passes by chance). ``--allocator default`` leaves glibc as it is (``keep_freed_memory``). ``--actions``
+passes by chance). ``--allocator default`` leaves glibc as it is (``pipeline.keep_freed_memory``). ``--actions``
 also prints, per schedule, stage and action kind, the predicted seconds against the measured ones (medians
 of the rounds; receives apart), to find where a prediction misses.
 """
@@ -26,7 +26,6 @@ of the rounds; receives apart), to find where a prediction misses.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import itertools
 import math
@@ -71,18 +70,9 @@ def _profile_round(profiles: list, links: list, model: _Profiled, data: tuple, l
         links.append([_collectives.receive_time(1 - dist.get_rank(), n, 5) for n in LINK_SIZES])
 
 
-def keep_freed_memory() -> None:
-    """Have glibc keep freed memory for reuse instead of giving it back to the OS (mmap threshold 32 MiB, no
-    trimming), as CUDA's caching allocator keeps it on a GPU; by default a step that holds many activations
-    (GPipe, helix) pays page faults for them again every step, which the planner does not model."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD
-
-
 def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:  # type: ignore[no-untyped-def]
     if args.allocator == "keep":
-        keep_freed_memory()
+        bench.keep_freed_memory()
     bench.init_worker(rank, port, minutes=60)
     rows = []
     for seq_len in args.seq_lens:

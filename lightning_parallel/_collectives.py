@@ -348,9 +348,13 @@ _MAX_PACKED = 8
 _PACKED_HEADER = 1 + _MAX_PACKED * (2 + _MAX_DIMS) + 2  # count, (ndim, dtype, shape) each, wide dtype, time
 
 
+Spec = tuple[list[tuple[list[int], torch.dtype]], torch.dtype]  # each tensor's (shape, dtype), the payload's dtype
+
+
 def pack(tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Several tensors as one header (count, each one's ndim, dtype and shape, the payload's dtype, the wall
-    time in microseconds) and one flat payload in their promoted dtype (``isend_packed``'s message)."""
+    time in microseconds) and one flat payload in their promoted dtype (``isend_packed``'s message); each
+    tensor is copied into its slice of the payload once (strided views and casts included)."""
     if not 0 < len(tensors) <= _MAX_PACKED:
         raise ValueError(f"isend_packed takes 1 to {_MAX_PACKED} tensors, got {len(tensors)}")
     header = torch.zeros(_PACKED_HEADER, dtype=torch.int64)
@@ -363,7 +367,13 @@ def pack(tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
         wide = torch.promote_types(wide, t.dtype)
     header[-2] = _DTYPES.index(wide)
     header[-1] = int(time.time() * 1e6)
-    return header, torch.cat([t.detach().reshape(-1).to(wide) for t in tensors])
+    payload = torch.empty(sum(t.numel() for t in tensors), dtype=wide, device=tensors[0].device)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            payload[offset : offset + t.numel()].view(t.shape).copy_(t)
+            offset += t.numel()
+    return header, payload
 
 
 def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
@@ -377,19 +387,42 @@ def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup)
     ]
 
 
-def recv_packed(src: int, tag: int, group: ProcessGroup, device: torch.device) -> tuple[list[Tensor], float]:
-    """Receive what ``isend_packed`` sent, each tensor in its own dtype and shape, and the send time (s)."""
-    header = torch.empty(_PACKED_HEADER, dtype=torch.int64)
-    dist.irecv(header, src, group=group, tag=2 * tag).wait()
+def _spec_of(header: Tensor) -> Spec:
     specs = []
     for i in range(int(header[0])):
         base = 1 + i * (2 + _MAX_DIMS)
         specs.append((header[base + 2 : base + 2 + int(header[base])].tolist(), _DTYPES[int(header[base + 1])]))
-    sizes = [int(torch.Size(shape).numel()) for shape, _ in specs]
-    payload = torch.empty(sum(sizes), dtype=_DTYPES[int(header[-2])], device=device)
-    dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
-    parts = [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), specs)]
-    return parts, int(header[-1]) / 1e6
+    return specs, _DTYPES[int(header[-2])]
+
+
+def recv_packed(
+    src: int, tag: int, group: ProcessGroup, device: torch.device, expect: Spec | None = None
+) -> tuple[list[Tensor], float, Spec]:
+    """Receive what ``isend_packed`` sent: each tensor in its own dtype and shape, the send time (s), and the
+    message's spec. With ``expect`` (the spec the caller knows the message has) the payload's receive is posted
+    together with the header's: one round trip instead of two; a message of another spec is an error."""
+    header = torch.empty(_PACKED_HEADER, dtype=torch.int64)
+    if expect is None:
+        dist.irecv(header, src, group=group, tag=2 * tag).wait()
+        spec = _spec_of(header)
+        payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in spec[0]), dtype=spec[1], device=device)
+        dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
+    else:
+        payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in expect[0]), dtype=expect[1], device=device)
+        works = [
+            dist.irecv(header, src, group=group, tag=2 * tag),
+            dist.irecv(payload, src, group=group, tag=2 * tag + 1),
+        ]
+        for work in works:
+            work.wait()
+        spec = _spec_of(header)
+        if spec != expect:
+            raise RuntimeError(
+                f"a packed message from rank {src} (tag {tag}) is {spec}, its receiver expected {expect}"
+            )
+    sizes = [int(torch.Size(shape).numel()) for shape, _ in spec[0]]
+    parts = [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), spec[0])]
+    return parts, int(header[-1]) / 1e6, spec
 
 
 # ------------------------------------------------------------------- differentiable (sequence parallel)

@@ -47,6 +47,7 @@ class HelixRuntime(PipelineRuntime):
         # SplitOverSequence (its parts take the micro-batch's sequence shard)
         self.splits: list[Any] = []
         self.folds, self.recompute = folds, recompute
+        self.specs: dict[tuple, Any] = {}  # (kind, layer, trunk input's shape and dtype) -> the message's spec
         self.num_layers = len(self.trunk)
         self.num_indices = self.num_layers + 2
         self.local_chunks = [0] if self.stage == 0 else []  # stage 0 keeps the capture's pre-trunk graph
@@ -67,10 +68,15 @@ class HelixRuntime(PipelineRuntime):
     def _recv(self, ctx: StepContext, n: int, stage: int, a: Action) -> list[Tensor]:
         if stage == self.stage:
             return [t.requires_grad_(True) for t in ctx.local.pop((a.kind, a.chunk, a.microbatch))]
+        # a message's shapes follow from its layer, its kind and the micro-batch's trunk input: once seen, the
+        # payload's receive is posted with the header's (one round trip, not two)
+        trunk_input = self._capture(ctx, a.microbatch).trunk_input
+        key = (a.kind, a.chunk, tuple(trunk_input.shape), trunk_input.dtype)
         with ctx.clock as clock:
-            out, clock.sent = _collectives.recv_packed(
-                self.rank_of_stage(stage), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device
-            )
+            out, clock.sent, self.specs[key] = _collectives.recv_packed(
+                self.rank_of_stage(stage), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device,
+                self.specs.get(key),
+            )  # fmt: skip
         ctx.received(a.microbatch)
         if len(out) < n:
             raise RuntimeError(
@@ -246,7 +252,7 @@ class HelixRuntime(PipelineRuntime):
                 ev.sends += _collectives.isend_packed([q, k, v, *rest], self.rank_of_stage(post_stage), tag, self.group)
         if self.stage == post_stage:
             if post_stage != pre_stage:
-                (q, k, v, *rest), _ = _collectives.recv_packed(
+                (q, k, v, *rest), _, _ = _collectives.recv_packed(
                     self.rank_of_stage(pre_stage), tag, self.group, self.device
                 )
             out = self._attend(i, q, k, v, args, kwargs, ev.shard)

@@ -24,6 +24,11 @@ COLUMNS = {
     ),
     "hybrid": (lambda: HybridParallelStrategy(data_parallel_size=2, recompute="no_attention", mlp_chunks=2), 2, 2),
     "helix_tp": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), 1, 4),
+    "full_tp": (
+        lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="full"),
+        2,
+        4,
+    ),
 }
 COLUMN_TITLES = {
     "pipeline": "pipeline pp=2",
@@ -33,6 +38,7 @@ COLUMN_TITLES = {
     "ring": "sequence_parallel ring sp=2",
     "hybrid": "hybrid dp=2, no_attention, mlp_chunks=2",
     "helix_tp": "helix p=2 x tp=2",
+    "full_tp": "hybrid dp=2 x tp=2, data_parallel_sharding='full'",
 }
 # the library's own errors: a cell that fails must end with one of these, never an internal traceback
 CLEAR = re.compile(r"lightning_parallel\.block_protocol\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
