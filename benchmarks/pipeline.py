@@ -224,7 +224,13 @@ class Torch1F1B:
         return {"params": parameter_bytes(self.module)}
 
 
+def _ahead(cfg: OursHelix, n: int) -> OursHelix:
+    cfg.runtime.receives_ahead = n  # receives posted ahead (the runtime's default is 2)
+    return cfg
+
+
 CONFIGS = {
+    "ahead": ["torch Schedule1F1B", "ours helix ahead0", "ours helix ahead1", "ours helix"],
     "issue3": ["single 1t", "single 2t", "ours gpipe", "ours 1f1b", "ours interleaved", "torch Schedule1F1B"],
     "zb": [
         "ours 1f1b",
@@ -264,6 +270,8 @@ def build(name: str, seq_len: int, m: int, rank: int):
         "ours helix": lambda: OursHelix(seq_len, m, rank, recompute=False),
         "ours helix +rc": lambda: OursHelix(seq_len, m, rank, recompute=True),
         "ours helix f1": lambda: OursHelix(seq_len, m, rank, recompute=False, folds=1),
+        "ours helix ahead0": lambda: _ahead(OursHelix(seq_len, m, rank, recompute=False), 0),
+        "ours helix ahead1": lambda: _ahead(OursHelix(seq_len, m, rank, recompute=False), 1),
         "torch Schedule1F1B": lambda: Torch1F1B(seq_len, m, rank),
     }[name]()
 

@@ -395,31 +395,45 @@ def _spec_of(header: Tensor) -> Spec:
     return specs, _DTYPES[int(header[-2])]
 
 
+def post_recv_packed(src: int, tag: int, group: ProcessGroup, device: torch.device, expect: Spec) -> Any:
+    """Post the receives of a packed message whose spec the caller knows (header and payload at once: one round
+    trip; its bytes may move while this process computes); :func:`complete_recv_packed` waits for them."""
+    header = torch.empty(_PACKED_HEADER, dtype=torch.int64)
+    payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in expect[0]), dtype=expect[1], device=device)
+    works = [dist.irecv(header, src, group=group, tag=2 * tag)]
+    works.append(dist.irecv(payload, src, group=group, tag=2 * tag + 1))
+    return works, header, payload, expect, src, tag
+
+
+def complete_recv_packed(posted: Any) -> tuple[list[Tensor], float, Spec]:
+    """Wait for receives posted by :func:`post_recv_packed`: the tensors, the send time (s), the spec; a message
+    of another spec than the one expected is an error."""
+    works, header, payload, expect, src, tag = posted
+    for work in works:
+        work.wait()
+    spec = _spec_of(header)
+    if spec != expect:
+        raise RuntimeError(f"a packed message from rank {src} (tag {tag}) is {spec}; its receiver expected {expect}")
+    return _unpack(header, payload, spec)
+
+
 def recv_packed(
     src: int, tag: int, group: ProcessGroup, device: torch.device, expect: Spec | None = None
 ) -> tuple[list[Tensor], float, Spec]:
     """Receive what ``isend_packed`` sent: each tensor in its own dtype and shape, the send time (s), and the
     message's spec. With ``expect`` (the spec the caller knows the message has) the payload's receive is posted
-    together with the header's: one round trip instead of two; a message of another spec is an error."""
+    together with the header's: one round trip instead of two."""
+    if expect is not None:
+        return complete_recv_packed(post_recv_packed(src, tag, group, device, expect))
     header = torch.empty(_PACKED_HEADER, dtype=torch.int64)
-    if expect is None:
-        dist.irecv(header, src, group=group, tag=2 * tag).wait()
-        spec = _spec_of(header)
-        payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in spec[0]), dtype=spec[1], device=device)
-        dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
-    else:
-        payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in expect[0]), dtype=expect[1], device=device)
-        works = [
-            dist.irecv(header, src, group=group, tag=2 * tag),
-            dist.irecv(payload, src, group=group, tag=2 * tag + 1),
-        ]
-        for work in works:
-            work.wait()
-        spec = _spec_of(header)
-        if spec != expect:
-            raise RuntimeError(
-                f"a packed message from rank {src} (tag {tag}) is {spec}, its receiver expected {expect}"
-            )
+    dist.irecv(header, src, group=group, tag=2 * tag).wait()
+    spec = _spec_of(header)
+    payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in spec[0]), dtype=spec[1], device=device)
+    dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
+    return _unpack(header, payload, spec)
+
+
+def _unpack(header: Tensor, payload: Tensor, spec: Spec) -> tuple[list[Tensor], float, Spec]:
     sizes = [int(torch.Size(shape).numel()) for shape, _ in spec[0]]
     parts = [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), spec[0])]
     return parts, int(header[-1]) / 1e6, spec

@@ -126,6 +126,7 @@ class StepContext:
     sends: dict[int, list[tuple[Any, Tensor]]] = field(default_factory=dict)  # per micro-batch, until complete
     results: dict[int, tuple[Tensor, Any]] = field(default_factory=dict)
     shards: dict[int, Any] = field(default_factory=dict)  # per micro-batch, its sequence shard (helix x sp)
+    ahead: dict[tuple, Any] = field(default_factory=dict)  # receives posted ahead, by consuming action
     clock: RecvClock = field(default_factory=RecvClock)
     split: bool = False  # the schedule splits the backward into I and W
 
@@ -223,12 +224,16 @@ class PipelineRuntime:
         for a in actions:
             if a.kind in ("B", "I", "BP", "BA"):
                 ctx.backwards_left[a.microbatch] += 1
-        for a in actions:
+        for i, a in enumerate(actions):
             start, ctx.clock = time.time(), RecvClock()
+            self._ahead(ctx, actions, i)
             self.handlers[a.kind](ctx, a)
             self.timeline.append(ctx.clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
         ctx.complete_all()
         return ctx.results
+
+    def _ahead(self, ctx: StepContext, actions: list[Action], i: int) -> None:
+        """Before action ``i`` runs: post receives of later actions ahead (HelixPipe)."""
 
     def capture_step(self, step: Callable[[], Any], probe: nn.Module | None = None) -> Capture:
         """``capture.capture`` of ``step``; if user code indexed a block's output (``layer(h)[0]``) before its
