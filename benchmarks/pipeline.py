@@ -356,11 +356,11 @@ def keep_freed_memory() -> None:
     libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD
 
 
-def init_worker(rank: int, port: int, minutes: int = 10) -> None:
-    """One thread, and the 2-process gloo group ``run_two`` set up the port for."""
+def init_worker(rank: int, port: int, minutes: int = 10, world_size: int = 2) -> None:
+    """One thread, and the gloo group of ``world_size`` processes ``run_two`` / ``run_n`` set up the port for."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=minutes))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=minutes))
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out: mp.SimpleQueue) -> None:
@@ -397,6 +397,11 @@ def collect(procs: list, out: mp.SimpleQueue) -> dict:
 
 def run_two(worker: Any, args: argparse.Namespace) -> dict:
     """Run ``worker(rank, port, args, queue)`` in 2 spawned processes; return ``{rank: result}``."""
+    return run_n(worker, args, 2)
+
+
+def run_n(worker: Any, args: Any, n: int) -> dict:
+    """Run ``worker(rank, port, args, queue)`` in ``n`` spawned processes; return ``{rank: result}``."""
     import socket
 
     with socket.socket() as s:
@@ -404,7 +409,7 @@ def run_two(worker: Any, args: argparse.Namespace) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(n)]
     for p in procs:
         p.start()
     return collect(procs, out)

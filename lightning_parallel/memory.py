@@ -28,10 +28,13 @@ class LiveTensorTracker(TorchDispatchMode):
     and per-op call ``counts`` (aten kernel executions). With ``record=True``, ``series`` gets a
     ``(time.perf_counter(), current)`` point at every change."""
 
-    def __init__(self, record: bool = False) -> None:
+    def __init__(self, record: bool = False, width: int | None = None) -> None:
         super().__init__()
         self._live: dict[int, int] = {}
         self.current = self.peak = self.largest = 0
+        # with ``width``: ``at_width`` counts the live bytes of tensors whose last dimension is ``width`` (a
+        # block's hidden size: what tensor parallelism keeps whole on every rank)
+        self.width, self.at_width, self._wide = width, 0, set()
         self.counts: Counter = Counter()
         self.series: list[tuple[float, int]] | None = [] if record else None
 
@@ -42,16 +45,20 @@ class LiveTensorTracker(TorchDispatchMode):
             return out  # a view or in-place result: no new storage
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
+                wide = self.width is not None and t.dim() > 0 and t.shape[-1] == self.width
                 for storage in _storages(t):
-                    self._track(storage)
+                    self._track(storage, wide)
         return out
 
-    def _track(self, storage: torch.UntypedStorage) -> None:
+    def _track(self, storage: torch.UntypedStorage, wide: bool = False) -> None:
         key, nbytes = storage.data_ptr(), storage.nbytes()
         if not key or key in self._live:
             return
         self._live[key] = nbytes
         self.current += nbytes
+        if wide:
+            self._wide.add(key)
+            self.at_width += nbytes
         self.peak = max(self.peak, self.current)
         self.largest = max(self.largest, nbytes)
         if self.series is not None:
@@ -61,6 +68,9 @@ class LiveTensorTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         nbytes = self._live.pop(key, 0)
         self.current -= nbytes
+        if key in self._wide:
+            self._wide.discard(key)
+            self.at_width -= nbytes
         if nbytes and self.series is not None:
             self.series.append((time.perf_counter(), self.current))
 
@@ -83,6 +93,15 @@ def kept_for_backward(forward: Callable[[], Any]) -> tuple[int, Any]:
     with tracker:
         out = forward()
     return tracker.current, out
+
+
+def kept_at_width(forward: Callable[[], Any], width: int) -> tuple[int, int]:
+    """Bytes ``forward()`` keeps (as :func:`kept_for_backward`), and those of them in tensors whose last
+    dimension is ``width``."""
+    tracker = LiveTensorTracker(width=width)
+    with tracker:
+        out = forward()  # noqa: F841  (alive while the bytes are read: it is part of what the forward keeps)
+        return tracker.current, tracker.at_width
 
 
 def time_forward_backward(forward: Callable[[], torch.Tensor], repeats: int = 3) -> float:

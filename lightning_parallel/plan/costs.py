@@ -37,6 +37,7 @@ class Sample:
     message: int  # bytes of the hidden state between blocks
     dtype_bytes: int
     capture: float  # seconds to capture one micro-batch (the user's step up to the trunk)
+    replicated: float = 0.0  # of what a block keeps (no recomputation), the share at the hidden width
 
 
 @dataclass
@@ -109,6 +110,13 @@ class BlockCosts:
     micro_batch: int = 1  # samples per profiled micro-batch (costs scale linearly in samples)
     samples: list[Sample] = field(default_factory=list)
     source: str = "measured"
+    replicated: float = 0.0
+    """Of the activations a block keeps, the share in tensors of the hidden width (norms' outputs, residuals):
+    tensor parallelism keeps those whole on every rank and divides the rest (heads, the MLP's width)."""
+
+    def kept_per_rank(self, nbytes: float, tp: int, sp: int) -> float:
+        """A block's (or part's) kept bytes on one rank of ``tp`` x ``sp``: the hidden-width share whole over tp."""
+        return nbytes * ((1.0 - self.replicated) / tp + self.replicated) / sp
 
     def policy(self, name: str) -> str:
         """The measured policy closest to ``name`` (``every_n`` is planned as ``full``)."""
@@ -173,5 +181,6 @@ def fitted(samples: list[Sample], **static: Any) -> BlockCosts:
         dtype_bytes=samples[0].dtype_bytes,
         pack=fit([n for s in samples for n in s.helix_bytes], [t for s in samples for t in s.helix_pack], 1),
         samples=samples,
+        replicated=median([s.replicated for s in samples]),
         **static,
     )

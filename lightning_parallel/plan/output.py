@@ -49,6 +49,8 @@ def strategy_config(layout: Layout) -> dict[str, Any]:
                        ("sequence_parallel_size", layout.sp)):  # fmt: skip
         if size > 1:
             args[name] = size
+    if layout.sharding != "none":
+        args["data_parallel_sharding"] = layout.sharding
     return {"class_path": f"lightning_parallel.{cls}", "init_args": args}
 
 

@@ -2,8 +2,9 @@
 virtual clock with the model's measured (or published) costs and a link model.
 
 A :class:`Layout` names what a strategy takes: dp, pp, tp, sp sizes, the schedule (``gpipe``, ``1f1b``,
-``interleaved_1f1b``, ``zb_h1``, ``zbv``, or ``helix`` with 1 or 2 folds), the micro-batch count and the
-recomputation policy. Per action (``Action.kind`` of the same schedules the runtime executes):
+``interleaved_1f1b``, ``zb_h1``, ``zbv``, or ``helix`` with 1 or 2 folds), the micro-batch count, the
+recomputation policy and the data-parallel sharding (``"full"``: FSDP2). Per action (``Action.kind`` of the
+same schedules the runtime executes):
 
 - chunk actions: the chunk's blocks (``place_blocks``, the strategy's placement) times the per-block
   cost of the action (``F``, ``B``, ``I``, ``W`` under the policy, as measured) at the micro-batch's
@@ -11,7 +12,11 @@ recomputation policy. Per action (``Action.kind`` of the same schedules the runt
   four all-to-alls (Ulysses); the last chunk adds the head, a stage's first chunk the capture;
 - helix: ``FP``/``BP`` the post- and pre-attention parts around a layer boundary, ``FA``/``BA`` the
   attention core, recomputation of the param chunks (its ``no_attention``) in ``BP``, packing a message
-  to another stage (a copy);
+  to another stage (a copy); under tp x sp each part's work divided by tp x sp, tp's all-reduces in the
+  param chunks (attention has none), sp's all-to-alls in the attention actions, a message's q, k, v and
+  attention output divided by tp x sp and its residual by sp;
+- ``"full"`` sharding: each block's parameters all-gathered over dp before its forward and its backward, its
+  gradients reduce-scattered after its backward (FSDP2), instead of the step's gradient all-reduce;
 - a message to another stage (hidden state; q, k, v and the residual for helix) costs the link's time
   for its bytes, to the receiving action under gloo's rendezvous (``Link.receiving``), as a delay before
   the consumer otherwise (``Link.arrival``); a dependency on the same stage costs nothing.
@@ -19,7 +24,9 @@ recomputation policy. Per action (``Action.kind`` of the same schedules the runt
 Step time = the simulated makespan + the gradient all-reduce over dp (after the schedule, as the
 strategies run it). Memory per stage = parameters, gradients and optimizer state of what the stage
 holds (blocks of its chunks by the real placement functions; the pre/post-trunk parameters as 1/pp
-shards plus, whole, where they run) + the simulated peak of what the step holds: each forward adds what
+shards plus, whole, where they run, or, vocabulary-parallel under tp, 1/tp on every stage; all of it 1/dp
+under ``"full"``, except the vocabulary-parallel part under a pipeline, plus one block whole while it runs)
++ the simulated peak of what the step holds: each forward adds what
 it keeps for its backward (the policy's saved tensors, a received input, the head's; helix: each part's)
 and its backward frees it, ``I`` holds the weights' work until ``W``, a captured micro-batch lives from
 the stage's first action of it to its last backward, a packed copy sent until the runtime completes it
@@ -60,6 +67,7 @@ class Layout:
     microbatches: int = 4
     recompute: str = "none"
     folds: int = 1  # helix only
+    sharding: str = "none"  # data_parallel_sharding: "none" or "full" (FSDP2 over dp)
 
     @property
     def devices(self) -> int:
@@ -71,7 +79,8 @@ class Layout:
 
     def name(self) -> str:
         sched = f"helix f{self.folds}" if self.schedule == "helix" else self.schedule
-        return f"dp{self.dp} pp{self.pp} tp{self.tp} sp{self.sp} {sched} m{self.microbatches} rc={self.recompute}"
+        full = " full" if self.sharding == "full" else ""
+        return f"dp{self.dp}{full} pp{self.pp} tp{self.tp} sp{self.sp} {sched} m{self.microbatches} rc={self.recompute}"
 
 
 @dataclass
@@ -109,13 +118,13 @@ def check(problem: Problem, layout: Layout) -> str | None:
     L, p, m = problem.costs.num_blocks, layout.pp, layout.microbatches
     if problem.global_batch % (layout.dp * m):
         return f"global batch {problem.global_batch} does not split into dp {layout.dp} x m {m}"
+    if layout.sharding == "full" and (layout.dp == 1 or layout.schedule in ("helix", "zb_h1", "zbv")):
+        return "data_parallel_sharding='full' needs dp > 1 and neither helix nor a split backward (refused)"
     if layout.schedule == "helix":
         if problem.costs.helix is None:
             return f"no HelixPipe split of the block: {problem.costs.helix_refused}"
         if p < 2 or L % p or m % (p * layout.folds):
             return "helix needs pp >= 2, L % pp == 0 and m % (pp * folds) == 0"
-        if layout.sp > 1 or layout.tp > 1:
-            return "helix does not compose with tp or sp (HelixParallelStrategy refuses them)"
     elif L < p * layout.virtual:
         return f"{L} blocks cannot fill {p * layout.virtual} chunks"
     elif layout.virtual > 1 and L % (p * layout.virtual):
@@ -141,16 +150,17 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
     comm = tp_comm + sp_comm
     policy = c.policy(layout.recompute)
     per_block = lambda costs: samples * costs[policy](t) / shard  # noqa: E731
+    gather = link.all_gather(block_bytes(problem, layout), layout.dp) if layout.sharding == "full" else 0.0
     f, b, i, w = (
-        per_block(c.forward) + comm,
-        per_block(c.backward) + comm,
-        per_block(c.input_grad) + comm,
-        per_block(c.weight_grad),
+        per_block(c.forward) + comm + gather,
+        per_block(c.backward) + comm + 2 * gather,  # gathered again for the backward, then reduce-scattered
+        per_block(c.input_grad) + comm + gather,
+        per_block(c.weight_grad) + gather,
     )
-    kept = per_block(c.kept)
+    kept = c.kept_per_rank(samples * c.kept[policy](t), layout.tp, layout.sp)
     head_f, head_b = samples * c.head_forward(t) / layout.tp, samples * c.head_backward(t) / layout.tp
     if layout.schedule == "helix":
-        return _predict_helix(problem, layout, samples, t, hb, comm, kept)
+        return _predict_helix(problem, layout, samples, t, hb, (tp_comm, sp_comm), kept)
     p, v = layout.pp, layout.virtual
     sizes = _blocks_per_chunk(layout, c.num_blocks) if p > 1 else [c.num_blocks]
     last = len(sizes) - 1
@@ -174,7 +184,7 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
         return n * w
 
     split = samples * c.split_bytes(t) / shard
-    whole = samples * c.kept["none"](t) / shard
+    whole = c.kept_per_rank(samples * c.kept["none"](t), layout.tp, layout.sp)
     capture = samples * c.capture(t)
     firsts = {min(ch for ch in range(len(sizes)) if stages_of(ch) == s) for s in range(p)}
     head_kept = samples * c.head_kept(t) / layout.tp
@@ -208,17 +218,22 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
     return _finish(problem, layout, sim, schedule, cost, blocks_on, outer_on, samples, t, hb, comm, kept)
 
 
-def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb: float, comm: float,
-                   kept: float) -> Prediction:  # fmt: skip
+def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb: float,
+                   comms: tuple[float, float], kept: float) -> Prediction:  # fmt: skip
     c, link, p, L = problem.costs, problem.link, layout.pp, problem.costs.num_blocks
     assert c.helix is not None, "check() refuses helix without a split"
     h = c.helix
-    pre, post, att = (samples * fn(t) / layout.tp for fn in (h.pre, h.post, h.attention))
-    pre_g, post_g, att_g = (samples * fn(t) / layout.tp for fn in (h.pre_grad, h.post_grad, h.attention_grad))
+    shard = layout.tp * layout.sp  # each part's work: heads over tp, tokens (or Ulysses' heads) over sp
+    pre, post, att = (samples * fn(t) / shard for fn in (h.pre, h.post, h.attention))
+    pre_g, post_g, att_g = (samples * fn(t) / shard for fn in (h.pre_grad, h.post_grad, h.attention_grad))
     recompute = layout.recompute != "none"
     head_f, head_b = samples * c.head_forward(t) / layout.tp, samples * c.head_backward(t) / layout.tp
     capture = samples * c.capture(t)
-    qkv, out = samples * h.qkv_bytes(t), samples * h.out_bytes(t)  # the two messages of a layer (and gradients)
+    tp_comm, sp_comm = comms  # tp's all-reduces in the param chunks, sp's all-to-alls around attention
+    # the two messages of a layer (and their gradients): q, k, v or the attention output on this rank's heads
+    # and tokens, the residual (the state post needs, a hidden state) on its tokens
+    qkv, out = (samples * fn(t) - hb for fn in (h.qkv_bytes, h.out_bytes))
+    qkv, out = qkv / shard + hb / layout.sp, out / shard + hb / layout.sp
 
     def ends(a: Action) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """The action's stage, and the (stage, bytes) of what it receives and of what it sends."""
@@ -241,17 +256,19 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
     def cost(a: Action) -> float:
         j = a.chunk
         if a.kind == "FA":
-            return att + comm / 2 + moved(a)
+            return att + sp_comm + moved(a)
         if a.kind == "BA":
-            return att_g + comm / 2 + moved(a)
+            return att_g + sp_comm + moved(a)
         parts_f = (pre if j < L else 0.0) + (post if j > 0 else 0.0) + (head_f if j == L else 0.0)
         if a.kind == "FP":  # the stage's first action of the micro-batch (j < p) captures it
-            return parts_f + comm / 2 + moved(a) + (capture if j < p else 0.0)
+            return parts_f + tp_comm + moved(a) + (capture if j < p else 0.0)
         parts_b = (pre_g if j < L else 0.0) + (post_g if j > 0 else 0.0) + (head_b if j == L else 0.0)
-        return parts_b + (parts_f if recompute and j > 0 else 0.0) + comm / 2 + moved(a)
+        again = parts_f + tp_comm if recompute and j > 0 else 0.0  # the chunk's forward recomputed
+        return parts_b + again + tp_comm + moved(a)
 
     nbytes = {"FA": qkv, "FP": out, "BA": out, "BP": qkv}
-    pre_kept, att_kept, post_kept = (samples * fn(t) for fn in (h.pre_kept, h.attention_kept, h.post_kept))
+    pre_kept, post_kept = (c.kept_per_rank(samples * fn(t), layout.tp, layout.sp) for fn in (h.pre_kept, h.post_kept))
+    att_kept = samples * h.attention_kept(t) / shard  # q, k, v, the output and its statistics: all on local heads
     head_kept = samples * c.head_kept(t)
 
     def kept_by(a: Action) -> float:
@@ -285,7 +302,14 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
     sim = simulate_helix(schedule, L, m, folds, cost, latency=lambda d, a: link.arrival(nbytes[a.kind]), held=held)
     blocks_on = dict.fromkeys(range(p), L / p)  # each stage: the pre of some layers and the post of others
     outer_on = dict.fromkeys(range(p), {0})
-    return _finish(problem, layout, sim, schedule, cost, blocks_on, outer_on, samples, t, hb, comm, kept)
+    return _finish(problem, layout, sim, schedule, cost, blocks_on, outer_on, samples, t, hb, sum(comms), kept)
+
+
+def block_bytes(problem: Problem, layout: Layout) -> float:
+    """One block's parameter bytes on a rank (as stored: the profile's dtype scaled to ``parameter_bytes``),
+    its tensor-parallel shard."""
+    c = problem.costs
+    return c.block_parameter_bytes * problem.parameter_bytes / c.dtype_bytes / layout.tp
 
 
 def _captures(schedule: Schedule, nbytes: Callable[[int], float]) -> Callable[[Action], float]:
@@ -311,20 +335,32 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
     c, link, p = problem.costs, problem.link, layout.pp
     scale = problem.parameter_bytes / c.dtype_bytes  # the profile's parameter bytes at the stored width
     state = 1.0 + OPTIMIZER_STATE.get(problem.optimizer, 2.0)  # parameter + optimizer state (gradients: below)
-    block = c.block_parameter_bytes * scale / layout.tp
+    block = block_bytes(problem, layout)
     outer = c.outer_parameter_bytes * scale
+    full = layout.sharding == "full"
+    # the pre/post-trunk part: 1/pp shards over the stages, or vocabulary-parallel (1/tp, on every stage) under
+    # tp; under full sharding 1/dp more (FSDP2's units without a pipeline, the stages' dp x pp storage with one)
+    # except the vocabulary-parallel part under a pipeline
+    outer_stored = outer / layout.tp if layout.tp > 1 else outer / p
+    outer_stored /= layout.dp if full and (p == 1 or layout.tp == 1) else 1
+    blocks_div = layout.dp if full else 1  # FSDP2's shards of the blocks
     peak, grads, during = {}, {}, {}
-    transient = samples * c.kept["none"](t) / (layout.tp * layout.sp)
+    transient = c.kept_per_rank(samples * c.kept["none"](t), layout.tp, layout.sp)
     for s in range(p):
-        stored = blocks_on[s] * block + outer / (p * layout.tp)  # the pre/post-trunk part as 1/pp shards
         whole = outer / layout.tp if s in outer_on[s] else 0.0  # gathered where it runs, with its gradient
-        grads[s] = blocks_on[s] * block + whole
-        during[s] = grads[s] + max(sim.peak_in_flight[s], 0.0) + transient
-        peak[s] = stored * state + whole + during[s]
-    allreduce = max(link.all_reduce(g, layout.dp) for g in grads.values())
+        grads[s] = blocks_on[s] * block / blocks_div + whole
+        gathered = 2 * block if full else 0.0  # one block whole (per tp) while it runs, and its gradient
+        during[s] = grads[s] + max(sim.peak_in_flight[s], 0.0) + transient + gathered
+        peak[s] = (blocks_on[s] * block / blocks_div + outer_stored) * state + whole + during[s]
+    if full:  # the blocks' gradients are reduce-scattered in the backward; the rest after the step
+        allreduce = link.all_gather(outer / layout.tp, layout.dp)
+    else:
+        allreduce = max(link.all_reduce(g, layout.dp) for g in grads.values())
     m = layout.microbatches
     messages = 2 * m * hb * (layout.virtual if layout.schedule != "helix" else 6 * c.num_blocks / p)
     comm_bytes = messages + 2 * max(grads.values()) * (layout.dp > 1)
+    if full:  # each block gathered twice and its gradient reduce-scattered
+        comm_bytes += 3 * max(blocks_on.values()) * block * (layout.dp - 1) / layout.dp
     comm_bytes += m * c.num_blocks / p * 4 * hb * (layout.tp > 1) + m * c.num_blocks / p * 8 * hb * (layout.sp > 1)
     bubble = {s: sim.bubble(s) for s in range(p)}
     return Prediction(layout, sim.makespan + allreduce, bubble, peak, during, comm_bytes, sim, schedule, cost)
@@ -364,5 +400,6 @@ def _layouts(problem: Problem, devices: int, max_m: int, policies: tuple[str, ..
                             folds = (1, 2) if schedule == "helix" else (1,)
                             for fold in folds:
                                 rc = policy if schedule != "helix" else ("no_attention" if policy != "none" else "none")
-                                out.append(Layout(dp, pp, tp, sp, schedule, m, rc, fold))
+                                for sharding in ("none", "full") if dp > 1 else ("none",):
+                                    out.append(Layout(dp, pp, tp, sp, schedule, m, rc, fold, sharding))
     return list(dict.fromkeys(out))

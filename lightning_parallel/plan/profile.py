@@ -37,7 +37,7 @@ from lightning_parallel import _collectives
 from lightning_parallel.anatomy.resolve import verified_split
 from lightning_parallel.block_protocol import AnatomyError, Split
 from lightning_parallel.blocks import BlockConfig, apply_recompute
-from lightning_parallel.memory import kept_for_backward
+from lightning_parallel.memory import kept_at_width, kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,
     TrunkCallError,
@@ -100,7 +100,7 @@ def _chunk_passes(block: Any, x: Tensor, args: tuple, kwargs: dict, policy: str,
                 runs["forward"].append(tf)
                 runs["backward"].append(tb)
         leaf = x.detach().requires_grad_(True)
-        out["kept"], _ = kept_for_backward(lambda: forward(leaf))
+        out["kept"], out["kept_hidden"] = kept_at_width(lambda: forward(leaf), x.shape[-1])
     finally:
         unwrap()
     unwrap = _wrap(block, policy, split_backward=True)
@@ -211,6 +211,7 @@ def _sample(lm: Any, trunk: Trunk, batch: Any, seq_len: int, repeats: int, split
         message=x.numel() * x.element_size(),
         dtype_bytes=x.element_size(),
         capture=median(captures),
+        replicated=chunk["none"]["kept_hidden"] / max(chunk["none"]["kept"], 1),
     )
 
 

@@ -62,8 +62,11 @@ def fully_shard_model(
     units: list[list[nn.Module]] = []
     unit_of: dict[int, int] = {}  # parameter -> index of the unit holding it
     root_owned = {id(p) for p in module.parameters(recurse=False)}
+    # a module whose forward reads its children's parameters without calling them is one unit with them (torch's
+    # nn.MultiheadAttention reads out_proj.weight): a child unit would hand it a shard
+    whole = {id(d) for m in module.modules() if isinstance(m, nn.MultiheadAttention) for d in m.modules() if d is not m}
     for m in reversed(list(module.modules())):  # children before parents: a parent unit takes what is left
-        if m is module or id(m) in inside or not outer:
+        if m is module or id(m) in inside or id(m) in whole or not outer:
             continue
         own = list(m.parameters(recurse=False))
         if not own:
@@ -91,11 +94,19 @@ def fully_shard_model(
         for u in units[first]:
             for p in u.parameters(recurse=False):
                 unit_of[id(p)] = first
-    for unit in [*([b] for b in blocks), *(u for u in units if u)]:
+    # children before parents: FSDP2 takes into a unit every parameter below its modules that no unit holds yet,
+    # so a unit holding an ancestor (a tied bias owned by a head and its decoder) is sharded after the units below it
+    depth = {id(m): name.count(".") + (name != "") for name, m in module.named_modules(remove_duplicate=False)}
+    outer_units = sorted((u for u in units if u), key=lambda u: -min(depth[id(m)] for m in u))
+    for unit in [*([b] for b in blocks), *outer_units]:
         if before is not None:
             before(unit)
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
-    root = _Root([*blocks, *(m for u in units for m in u)])
+    members = [*blocks, *(m for u in units for m in u)]
+    # only the units' top modules under the root: FSDP2 manages a unit's module that lies inside another of its
+    # modules (a decoder inside the head that shares its bias) through that one, and the root would take it again
+    inside = {id(d) for m in members for d in m.modules() if d is not m}
+    root = _Root([m for m in members if id(m) not in inside])
     fully_shard(root, mesh=mesh)
     root._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     return [root]

@@ -80,3 +80,13 @@ def test_each_rank_holds_a_quarter_under_dp2_x_tp2_full():
         assert r["params"] <= 1.05 * total / 4, (r, total / 4)
         assert r["grads"] <= 1.05 * total / 4, (r, total / 4)
         assert r["state"] <= 2 * 1.05 * total / 4, (r, total / 4)  # AdamW: exp_avg and exp_avg_sq
+
+
+# ------------------------------------------------------------------------------------ units outside the trunk
+@pytest.mark.parametrize("row", ["hf:bert", "lightning:demo"])
+def test_units_outside_the_trunk_that_share_or_read_a_childs_parameters(row):
+    """BERT's head shares its bias with its decoder (a child): FSDP2 manages the decoder through the head, so
+    the root holds only the units' top modules. Lightning's demo Transformer has nn.MultiheadAttention outside
+    the trunk, whose forward reads out_proj.weight without calling out_proj: the two are one unit."""
+    assert_parity(row, lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2,
+                  data_parallel_size=2, dtype="float32", steps=2)  # fmt: skip

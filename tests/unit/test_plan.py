@@ -66,6 +66,25 @@ def test_every_layout_is_predicted_ranked_and_checked(costs):
     assert all(max(pr.peak_memory.values()) <= max(one.peak_memory.values()) * 0.9 for pr in few)
 
 
+def test_helix_with_tp_or_sp_and_full_sharding_are_ranked(costs):
+    """The compositions of issue 26 are planned: helix x tp and x sp (messages and work divided), full
+    sharding (blocks' parameters, gradients and state divided by dp, FSDP2's gathers in the actions)."""
+    problem = Problem(costs, 128, global_batch=8, link=LINKS["cpu"], optimizer="adamw")
+    ranked = candidates(problem, 4, policies=("none",), heads=2)
+    names = {pr.layout.name() for pr in ranked}
+    assert {"dp1 pp2 tp2 sp1 helix f1 m4 rc=none", "dp1 pp2 tp1 sp2 helix f1 m4 rc=none"} <= names
+    assert "dp2 full pp1 tp2 sp1 1f1b m4 rc=none" in names
+    assert not any(pr.layout.sharding == "full" and pr.layout.schedule in ("helix", "zb_h1", "zbv") for pr in ranked)
+    helix = predict(problem, Layout(pp=2, schedule="helix", microbatches=4))
+    helix_tp = predict(problem, Layout(pp=2, tp=2, schedule="helix", microbatches=4))
+    assert max(helix_tp.peak_memory.values()) < max(helix.peak_memory.values())
+    plain = predict(problem, Layout(dp=2, pp=1, tp=2, microbatches=4))
+    full = predict(problem, Layout(dp=2, pp=1, tp=2, microbatches=4, sharding="full"))
+    assert max(full.peak_memory.values()) < max(plain.peak_memory.values())
+    with pytest.raises(ValueError, match="data_parallel_sharding='full' needs dp > 1 and neither helix"):
+        predict(problem, Layout(dp=2, pp=2, schedule="helix", microbatches=4, sharding="full"))
+
+
 def test_published_costs_give_helix_a_gain_that_grows_with_the_sequence():
     gpu = GPUS["h20"]
     gains = []
