@@ -19,6 +19,7 @@ activations, gathered parameters), against the prediction's step time and its me
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -81,19 +82,20 @@ class _Timer:
             def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
                 dist.barrier()
                 timer.steps.append(time.perf_counter() - timer.start)
+                runtime = getattr(trainer.strategy, "runtime", None)  # a pipeline's: its actions of this step
+                timer.timeline = list(runtime.timeline) if runtime is not None else []
                 if timer.tracker is not None:
                     timer.tracker.__exit__(None, None, None)
                     timer.peak, timer.tracker = timer.tracker.peak, None
 
         self.callback, self.steps, self.start, self.tracker, self.peak = Callback(), [], 0.0, None, 0
+        self.timeline: list = []
 
     def __call__(self) -> Any:
         return self.callback
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    import os
-
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -108,7 +110,15 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     torch.manual_seed(0)
     model = _Model(vocab_size=bench.VOCAB, block_size=T, n_layer=bench.LAYERS, n_head=bench.HEADS, n_embd=bench.H,
                    optimizer="sgd", lr=1e-3)  # fmt: skip
-    profiles = [profile(model, bench.batch(T, 1), [T // 4, T // 2, T], repeats=1) for _ in range(args.profiles)]
+    # one process per core profiles (the others wait): each is a device at full speed; with more processes than
+    # cores the run time-shares them, which main() models as devices at cores / processes of that speed
+    cores = os.cpu_count() or 1
+    profiles = []
+    for _ in range(args.profiles):
+        dist.barrier()
+        if rank < cores:
+            profiles.append(profile(model, bench.batch(T, 1), [T // 4, T // 2, T], repeats=1))
+        dist.barrier()
     peer = rank ^ 1  # pairs (0, 1), (2, 3): every rank busy while the link is timed
     link_times = [_collectives.receive_time(peer, n, 5) for n in LINK_SIZES]
     x, y = bench.batch(T, m)
@@ -122,9 +132,31 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(x.repeat(args.reps + 1, 1), y.repeat(args.reps + 1, 1)),
                                                     batch_size=m // dp))  # fmt: skip
     stage = getattr(trainer.strategy, "stage", 0)
-    out.put((rank, (profiles, link_times, timer.steps[1:], timer.peak, stage)))
+    kinds = bench.kind_seconds(timer.timeline, timer.steps[-1]) if timer.timeline else {}
+    out.put((rank, (profiles, link_times, timer.steps[1:], timer.peak, stage, kinds)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _slower(costs: Any, factor: float) -> Any:
+    """``costs`` with every time ``factor`` times longer (a device at 1 / ``factor`` of the profiled speed)."""
+    from dataclasses import replace
+
+    from lightning_parallel.plan.costs import Fit
+
+    if factor == 1:
+        return costs
+    scale = lambda f: Fit([c * factor for c in f.coef])  # noqa: E731
+    helix = costs.helix
+    if helix is not None:
+        parts = ("pre", "attention", "post", "pre_grad", "attention_grad", "post_grad")
+        helix = replace(helix, **{n: scale(getattr(helix, n)) for n in parts})
+    times = {
+        n: {p: scale(f) for p, f in getattr(costs, n).items()}
+        for n in ("forward", "backward", "input_grad", "weight_grad")
+    }
+    return replace(costs, **times, helix=helix, head_forward=scale(costs.head_forward),
+                   head_backward=scale(costs.head_backward), capture=scale(costs.capture), pack=scale(costs.pack))  # fmt: skip
 
 
 def main() -> None:
@@ -134,7 +166,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profiles", type=int, default=2, help="profiles per rank before training (medians)")
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--actions", action="store_true", help="also print seconds per action kind and stage (pipelines)")
     args = ap.parse_args()
+    breakdown: list = []
     print(f"torch {torch.__version__}, example GPT H={bench.H} x {bench.LAYERS} blocks, T={args.seq_len}, m={args.m},"
           f" SGD, 1 thread per process on this machine's cores; medians of {args.reps} steps\n")  # fmt: skip
     print("| layout | processes | predicted step s | measured step s | error | predicted step MiB per stage |"
@@ -145,6 +179,8 @@ def main() -> None:
         world, _, layout = LAYOUTS[name]
         results = bench.run_n(worker, args, world)
         costs = combine([p for r in results.values() for p in r[0]])
+        share = world / min(world, os.cpu_count() or 1)  # processes per core
+        costs = _slower(costs, share)
         times = [statistics.median(column) for column in zip(*(r[1] for r in results.values()))]
         problem = Problem(costs, args.seq_len, global_batch=args.m, link=link_from_times(LINK_SIZES, times),
                           optimizer="sgd")  # fmt: skip
@@ -153,14 +189,27 @@ def main() -> None:
         steps = [max(r[2][i] for r in results.values()) for i in range(len(next(iter(results.values()))[2]))]
         measured = statistics.median(steps)
         peaks: dict[int, int] = {}
-        for _, _, _, peak, stage in results.values():
+        for _, _, _, peak, stage, _ in results.values():
             peaks[stage] = max(peaks.get(stage, 0), peak)
+        if args.actions:
+            breakdown.append((name, pr, {r[4]: r[5] for r in results.values()}))
         stages = sorted(pr.step_memory)
         pm = " / ".join(f"{pr.step_memory[s] / 2**20:.0f}" for s in stages)
         mm = " / ".join(f"{peaks.get(s, 0) / 2**20:.0f}" for s in stages)
         mem_err = max(abs(pr.step_memory[s] - peaks.get(s, 0)) / max(peaks.get(s, 1), 1) for s in stages)
         print(f"| {name} | {world} | {pr.step_time:.3f} | {measured:.3f} | {(pr.step_time - measured) / measured:+.1%} |"
               f" {pm} | {mm} | {mem_err:.1%} |", flush=True)  # fmt: skip
+    if breakdown:
+        print("\n| layout | stage | kind | predicted s | measured s (last step, one rank) |\n|---|---|---|---|---|")
+        for name, pr, measured in breakdown:
+            for stage, kinds in sorted(measured.items()):
+                predicted: dict[str, float] = {}
+                for a in pr.schedule.get(stage, []):
+                    predicted[a.kind] = predicted.get(a.kind, 0.0) + pr.cost(a)
+                for kind in sorted(set(predicted) | set(kinds)):
+                    p = f"{predicted[kind]:.3f}" if kind in predicted else ""
+                    q = f"{kinds[kind]:.3f}" if kind in kinds else ""
+                    print(f"| {name} | {stage} | {kind} | {p} | {q} |")
 
 
 if __name__ == "__main__":

@@ -268,7 +268,9 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
 
     nbytes = {"FA": qkv, "FP": out, "BA": out, "BP": qkv}
     pre_kept, post_kept = (c.kept_per_rank(samples * fn(t), layout.tp, layout.sp) for fn in (h.pre_kept, h.post_kept))
-    att_kept = samples * h.attention_kept(t) / shard  # q, k, v, the output and its statistics: all on local heads
+    att_kept = samples * h.attention_kept(t) / shard  # its output and statistics, on this rank's heads and tokens
+    if layout.sp > 1:  # Ulysses' all-to-all gives the attention new q, k, v (whole sequence, 1/sp of the heads)
+        att_kept += (samples * h.qkv_bytes(t) - hb) / shard
     head_kept = samples * c.head_kept(t)
 
     def kept_by(a: Action) -> float:
@@ -345,7 +347,9 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
     outer_stored /= layout.dp if full and (p == 1 or layout.tp == 1) else 1
     blocks_div = layout.dp if full else 1  # FSDP2's shards of the blocks
     peak, grads, during = {}, {}, {}
-    transient = c.kept_per_rank(samples * c.kept["none"](t), layout.tp, layout.sp)
+    # a block's backward temporaries (about its activations) on top of the other micro-batches' activations held
+    # meanwhile; with one micro-batch the backward frees the activations it consumes as fast (measured: dp=2 full)
+    transient = c.kept_per_rank(samples * c.kept["none"](t), layout.tp, layout.sp) if layout.microbatches > 1 else 0.0
     for s in range(p):
         whole = outer / layout.tp if s in outer_on[s] else 0.0  # gathered where it runs, with its gradient
         grads[s] = blocks_on[s] * block / blocks_div + whole

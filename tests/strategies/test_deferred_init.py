@@ -44,8 +44,9 @@ LAYOUTS = {
 
 @pytest.mark.parametrize(
     "layout",
-    [pytest.param(k, marks=pytest.mark.slow) if k == "hybrid dp=2 optimizer" else k for k in LAYOUTS],  # (time)
-)
+    [pytest.param(k, marks=pytest.mark.slow) if k in ("hybrid dp=2 optimizer", "helix p=2 x sp=2") else k
+     for k in LAYOUTS],  # (time)
+)  # fmt: skip
 def test_configure_model_on_meta_trains_with_parity(layout):
     strategy, world, dp = LAYOUTS[layout]
     assert_parity("gpt-deferred", strategy, world, data_parallel_size=dp)
@@ -59,7 +60,14 @@ def test_init_module_empty_init_is_materialised_with_parity(layout):
 
 @pytest.mark.parametrize(
     "layout",
-    ["pipeline pp=2", "helix p=2", "tensor_parallel tp=2", "sequence_parallel sp=2", "hybrid dp=2", "helix p=2 x tp=2"],
+    [
+        "pipeline pp=2",
+        "helix p=2",
+        "tensor_parallel tp=2",
+        "sequence_parallel sp=2",
+        "hybrid dp=2",
+        pytest.param("helix p=2 x tp=2", marks=pytest.mark.slow),
+    ],
 )
 def test_ranks_initialised_differently_start_from_rank_0(layout):
     """Processes without a common seed build different weights (each rank here seeds with its rank): every

@@ -20,7 +20,9 @@ def _without_adapters(make):
     return factory
 
 
-@pytest.mark.parametrize("column", list(COLUMNS))
+@pytest.mark.parametrize(
+    "column", [pytest.param(c, marks=pytest.mark.slow) if c in ("helix_tp", "full_tp") else c for c in COLUMNS]
+)  # the 4-rank columns: the coverage matrix's home-written fused block runs them through the traced graph fast
 @pytest.mark.parametrize(
     "model", ["gpt", pytest.param("llama", marks=pytest.mark.slow), pytest.param("encoder", marks=pytest.mark.slow)]
 )

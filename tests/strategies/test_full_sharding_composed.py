@@ -37,6 +37,7 @@ def test_dp2_x_sp2(mode):
     assert_parity("llama", full(sequence_parallel_size=2, sequence_parallel_mode=mode), 4, data_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_dp2_x_pp2_x_tp2_on_8_ranks():
     assert_parity("llama", pipeline_full(tensor_parallel_size=2), 8, data_parallel_size=2, global_batch=16)
 

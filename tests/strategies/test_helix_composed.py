@@ -15,7 +15,7 @@ def helix(**kw):
 
 
 # --------------------------------------------------------------------------------- helix x tensor parallelism
-@pytest.mark.parametrize("model", ["llama", "hf-gpt2"])
+@pytest.mark.parametrize("model", ["llama", pytest.param("hf-gpt2", marks=pytest.mark.slow)])
 def test_p2_x_tp2(model):
     per_rank = assert_parity(model, helix(tensor_parallel_size=2), 4, data_parallel_size=1)
     assert len(per_rank[0].anatomy) == 8  # every layer was split (and sharded)
@@ -30,7 +30,7 @@ def test_p2_x_tp2_matrix(model, recompute):
 
 
 # -------------------------------------------------------------------------------- helix x sequence parallelism
-@pytest.mark.parametrize("model,mode", [("gpt", "ulysses"), ("llama", "ring")])
+@pytest.mark.parametrize("model,mode", [pytest.param("gpt", "ulysses", marks=pytest.mark.slow), ("llama", "ring")])
 def test_p2_x_sp2(model, mode):
     assert_parity(model, helix(sequence_parallel_size=2, sequence_parallel_mode=mode), 4, data_parallel_size=1)
 
@@ -54,8 +54,9 @@ def test_dp2_x_p2_x_tp2_on_8_ranks(sharding):
     assert_parity("llama", strategy, 8, data_parallel_size=2, global_batch=16, gradient_clip_val=0.05)
 
 
+@pytest.mark.slow
 def test_dp2_x_p2_x_tp2_optimizer_sharding_fp32():
-    """The fast tier's 8-rank case: the whole mesh at once (dp x pp x tp), optimizer state sharded over dp."""
+    """The whole mesh at once (dp x pp x tp) in float32 with SGD, optimizer state sharded over dp."""
     strategy = helix(data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="optimizer")
     assert_parity("gpt", strategy, 8, data_parallel_size=2, global_batch=16, dtype="float32", steps=2)
 
@@ -78,7 +79,11 @@ def _validated(rank, world_size, kwargs):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(tensor_parallel_size=2), dict(sequence_parallel_size=2, sequence_parallel_mode="ring")]
+    "kwargs",
+    [
+        dict(tensor_parallel_size=2),
+        pytest.param(dict(sequence_parallel_size=2, sequence_parallel_mode="ring"), marks=pytest.mark.slow),
+    ],
 )
 def test_validation_before_and_after_the_split_equals_one_device(kwargs):
     """The sanity check runs before the first step has split the blocks (every stage the whole model), the
