@@ -154,6 +154,23 @@ def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
     return Capture(trunk_input=state["input"], block_args=args)  # type: ignore[arg-type]
 
 
+def capture_learning(
+    trunk: Trunk, step: Callable[[], Any], output_like: Any, probe: Callable[[], nn.Module] | None
+) -> tuple[Capture, Any]:
+    """:func:`capture`; if user code indexed a block's output (``layer(h)[0]``) before its structure was known,
+    the structure is learned from a call of ``probe()`` (a block whose parameters are on meta) on meta tensors
+    and the capture is retried. Returns the capture and the blocks' output structure."""
+    try:
+        return capture(trunk, step, output_like), output_like
+    except TrunkCallError as err:
+        if err.first_call is None or probe is None:
+            raise
+        output_like = probe_output_structure(probe(), *err.first_call)
+        if output_like is None:
+            raise
+        return capture(trunk, step, output_like), output_like
+
+
 def substitute(trunk: Trunk, step: Callable[[], Any], trunk_output: Any) -> Any:
     """Run ``step`` with the blocks as pass-throughs and the last one returning ``trunk_output``."""
     n = len(trunk)

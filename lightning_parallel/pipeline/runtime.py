@@ -41,9 +41,8 @@ from torch import Tensor, nn
 from lightning_parallel import _collectives
 from lightning_parallel.pipeline.capture import (
     Capture,
-    TrunkCallError,
     _forwards,
-    capture,
+    capture_learning,
     probe_output_structure,
     split_hidden,
     substitute,
@@ -239,20 +238,14 @@ class PipelineRuntime:
         """``capture.capture`` of ``step``; if user code indexed a block's output (``layer(h)[0]``) before its
         structure was known, the structure is learned from a call of ``probe`` (a freed block, or any block
         when ``probe`` is given) on meta tensors and the capture is retried."""
+        block = probe if probe is not None else (self.trunk.blocks[self._freed] if self._freed is not None else None)
         self.phase = "capture"
         try:
-            return capture(self.trunk, step, self.output_like)
-        except TrunkCallError as err:
-            block = (
-                probe if probe is not None else (self.trunk.blocks[self._freed] if self._freed is not None else None)
-            )
-            if err.first_call is None or block is None or self._like_known:
-                raise
-            self.output_like = probe_output_structure(block, *err.first_call)
-            self._like_known = True
-            if self.output_like is None:
-                raise
-            return capture(self.trunk, step, self.output_like)
+            learn = None if self._like_known or block is None else (lambda: block)
+            cap, like = capture_learning(self.trunk, step, self.output_like, learn)
+            if learn is not None and like is not self.output_like:
+                self.output_like, self._like_known = like, True
+            return cap
         finally:
             self.phase = None
 

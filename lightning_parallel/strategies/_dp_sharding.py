@@ -131,11 +131,13 @@ class DataParallelShardingMixin:
         x = cap.trunk_input.detach()
         if not torch.isfinite(x).all():  # a stage without the embedding computed it from placeholders (NaN)
             x = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype).to(x.device)
-        layer.commit_all(x, cap.block_args, before=self._materialize_at_first_call)
-        before = dict(lm.named_parameters())
         held = [runner.block for _, runner in sorted(layer.runners.items())]
         freed = [b for b in layer.trunk.blocks if not any(b is h for h in held)]
-        self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1)
+        with torch.inference_mode(False):  # parameters for training, also when an evaluation comes first
+            layer.commit_all(x, cap.block_args, before=self._materialize_at_first_call)
+            before = dict(lm.named_parameters())  # the commits' shards (the optimizers hold these now)
+            mesh, outer = self._mesh[DP], self.parallel_dims.pp == 1
+            self._fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer)
         after = dict(lm.named_parameters())
         replaced = [(before[n], after[n], n) for n in before if after[n] is not before[n]]
         replace_parameters(self.optimizers, replaced, self._as_fsdp_shard)  # restored state: sharded alike

@@ -42,7 +42,7 @@ from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockLayer
 from lightning_parallel.mesh import DP, SP, TP, ParallelDims, Size, check_size
-from lightning_parallel.pipeline.capture import TrunkCallError, capture, probe_output_structure
+from lightning_parallel.pipeline.capture import capture_learning
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies import _failures, _sharding
@@ -317,18 +317,9 @@ class HybridParallelStrategy(
             self._commit_then_fully_shard(self._capture_trunk, lambda: step(*args, **kwargs))
 
     def _capture_trunk(self, step: Callable[[], Any]) -> Any:
-        """``step`` captured up to the trunk (:func:`lightning_parallel.pipeline.capture.capture`); a step that
-        indexes a block's output (``layer(h)[0]``) is captured again once the output's structure is known."""
+        """``step`` captured up to the trunk (:func:`lightning_parallel.pipeline.capture.capture_learning`)."""
         trunk = self._blocks.trunk
-        try:
-            return capture(trunk, step, None)
-        except TrunkCallError as err:
-            if err.first_call is None:
-                raise
-            like = probe_output_structure(copy.deepcopy(trunk.blocks[0]).to("meta"), *err.first_call)
-            if like is None:
-                raise
-            return capture(trunk, step, like)
+        return capture_learning(trunk, step, None, lambda: copy.deepcopy(trunk.blocks[0]).to("meta"))[0]
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

@@ -43,9 +43,34 @@ def test_dp2_x_pp2_x_tp2_on_8_ranks():
 
 
 @pytest.mark.slow
-def test_dp2_x_pp2_with_deferred_init_and_validation_first():
+def test_dp2_x_pp2_x_tp2_deferred():
     """A deferred model under pp x dp x tp full: blocks pending until the first step commits and shards them."""
     assert_parity("gpt-deferred", pipeline_full(tensor_parallel_size=2), 8, data_parallel_size=2, global_batch=16)
+
+
+def _validated(rank: int, world: int, pipeline: bool) -> float:
+    from tests.helpers.trainers import quick_fit
+
+    module, data = build("llama", 4, "sgd")
+    make = pipeline_full(tensor_parallel_size=2) if pipeline else full(tensor_parallel_size=2)
+    trainer = quick_fit(module, data, make(), world, steps=2, limit_val_batches=2, val_check_interval=2,
+                        num_sanity_val_steps=1)  # fmt: skip
+    return float(trainer.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize("pipeline", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_an_evaluation_before_the_first_step_commits_and_shards_then_training_goes_on(pipeline):
+    """The sanity check is the first call: it captures, commits and shards the blocks; the validation after two
+    steps equals one device's."""
+    from tests.helpers.parity import _OneReplicaSampler
+    from tests.helpers.trainers import quick_fit
+
+    module, data = build("llama", 8, "sgd")
+    trainer = quick_fit(module, data, "auto", 1, steps=2, limit_val_batches=2, val_check_interval=2,
+                        callbacks=[_OneReplicaSampler()])  # fmt: skip
+    want = float(trainer.callback_metrics["val_loss"])
+    for got in run_distributed(_validated, 8 if pipeline else 4, pipeline, init_process_group=False):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
 
 
 # ---------------------------------------------------------------------------------------------- what a rank holds
