@@ -116,3 +116,10 @@ def test_units_outside_the_trunk_that_share_or_read_a_childs_parameters(row):
     the trunk, whose forward reads out_proj.weight without calling out_proj: the two are one unit."""
     assert_parity(row, lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2,
                   data_parallel_size=2, dtype="float32", steps=2)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_x_sp2_on_8_ranks():
+    """The whole (dp, sp, tp) mesh under full sharding: FSDP2 over dp above tp's shards, ring attention over sp."""
+    make = full(tensor_parallel_size=2, sequence_parallel_size=2, sequence_parallel_mode="ring")
+    assert_parity("llama", make, 8, data_parallel_size=2, global_batch=16)
