@@ -1,4 +1,4 @@
-"""The planner's predictions for the compositions of issue 26 against measurements on this machine: HelixPipe with
+"""The planner's predictions for the compositions of helix and full sharding with tensor and sequence parallelism against measurements on this machine: HelixPipe with
 tensor or sequence parallelism inside its stages, and full sharding (FSDP2) above tensor parallelism, each on 4
 processes x 1 thread (2 cores), with helix at p=2 and data-parallel full sharding alone on 2 processes beside them.
 
@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import pipeline as bench  # noqa: E402  (the model, the batch, the process harne
 
 from lightning_parallel import _collectives  # noqa: E402
 from lightning_parallel.plan import Layout, Problem, combine, predict, profile  # noqa: E402
-from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times  # noqa: E402
+from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times, measure_collective  # noqa: E402
 
 #: name -> (processes, strategy source, the planner's layout)
 LAYOUTS: dict[str, tuple[int, str, Layout]] = {
@@ -119,8 +120,10 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         if rank < cores:
             profiles.append(profile(model, bench.batch(T, 1), [T // 4, T // 2, T], repeats=1))
         dist.barrier()
-    peer = rank ^ 1  # pairs (0, 1), (2, 3): every rank busy while the link is timed
+    peer = rank ^ 1  # pairs (0, 1), (2, 3): every rank busy while the link and the collectives are timed
     link_times = [_collectives.receive_time(peer, n, 5) for n in LINK_SIZES]
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    collective = measure_collective(pairs[rank // 2])
     x, y = bench.batch(T, m)
     dp = LAYOUTS[args.layout][2].dp
     timer = _Timer(last=args.reps)
@@ -133,7 +136,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
                                                     batch_size=m // dp))  # fmt: skip
     stage = getattr(trainer.strategy, "stage", 0)
     kinds = bench.kind_seconds(timer.timeline, timer.steps[-1]) if timer.timeline else {}
-    out.put((rank, (profiles, link_times, timer.steps[1:], timer.peak, stage, kinds)))
+    out.put((rank, (profiles, link_times, timer.steps[1:], timer.peak, stage, kinds, collective)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -182,14 +185,15 @@ def main() -> None:
         share = world / min(world, os.cpu_count() or 1)  # processes per core
         costs = _slower(costs, share)
         times = [statistics.median(column) for column in zip(*(r[1] for r in results.values()))]
-        problem = Problem(costs, args.seq_len, global_batch=args.m, link=link_from_times(LINK_SIZES, times),
-                          optimizer="sgd")  # fmt: skip
+        collective = tuple(statistics.median(column) for column in zip(*(r[6] for r in results.values())))
+        link = replace(link_from_times(LINK_SIZES, times), collective=collective)
+        problem = Problem(costs, args.seq_len, global_batch=args.m, link=link, optimizer="sgd")
         layout = Layout(**{**layout.__dict__, "microbatches": args.m if layout.pp > 1 else 1})
         pr = predict(problem, layout)
         steps = [max(r[2][i] for r in results.values()) for i in range(len(next(iter(results.values()))[2]))]
         measured = statistics.median(steps)
         peaks: dict[int, int] = {}
-        for _, _, _, peak, stage, _ in results.values():
+        for _, _, _, peak, stage, _, _ in results.values():
             peaks[stage] = max(peaks.get(stage, 0), peak)
         if args.actions:
             breakdown.append((name, pr, {r[4]: r[5] for r in results.values()}))

@@ -302,6 +302,18 @@ def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | Non
     return sorted(times)[len(times) // 2]
 
 
+def all_reduce_time(nbytes: int, repeats: int, group: ProcessGroup) -> float:
+    """The median seconds of an all-reduce (sum) of ``nbytes`` over ``group`` (a barrier before each)."""
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,6 +38,18 @@ def test_readme_demo_helix_config_writes_the_profilers_files(tmp_path):
     assert {"bubble/stage_0", "bubble/theory_mean", "memory/peak_live_mib/stage_1", "memory/stage_ratio"} <= set(header)
 
 
+def test_helix_x_tensor_parallel_config_builds_the_strategy():
+    """examples/configs/helix_tp.yaml parses through LightningCLI into helix x tp (the fast tier's check; the
+    4-process run below is slow)."""
+    cmd = [sys.executable, "-m", "examples.train", "fit", "--config", str(ROOT / "examples/configs/helix_tp.yaml"),
+           "--print_config"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "class_path: lightning_parallel.HelixParallelStrategy" in out.stdout
+    assert "tensor_parallel_size: 2" in out.stdout and "devices: 4" in out.stdout
+
+
+@pytest.mark.slow
 def test_helix_x_tensor_parallel_config_trains_on_four_processes(tmp_path):
     """examples/configs/helix_tp.yaml through LightningCLI and Lightning's own launcher: 2 stages x 2
     tensor-parallel ranks, the loss falls."""

@@ -45,6 +45,10 @@ class Link:
     bandwidth: float
     latency: float
     rendezvous: bool = False
+    collective: tuple[float, float] | None = None
+    """``(bandwidth, latency)`` of one ring step of the collectives where they were timed (:func:`measure_collective`:
+    gloo's all-reduce on CPU costs several times its bytes over the point-to-point link); ``None``: the
+    point-to-point link's, the textbook ring."""
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -62,11 +66,13 @@ class Link:
         return 0.0 if self.rendezvous else self.p2p(nbytes)
 
     def all_reduce(self, nbytes: float, ranks: int) -> float:
-        return 0.0 if ranks <= 1 else 2 * (ranks - 1) * self.latency + 2 * (ranks - 1) / ranks * nbytes / self.bandwidth
+        bandwidth, latency = self.collective or (self.bandwidth, self.latency)
+        return 0.0 if ranks <= 1 else 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
     def all_gather(self, nbytes: float, ranks: int) -> float:
         """Also reduce-scatter and all-to-all: ``nbytes`` is the whole tensor."""
-        return 0.0 if ranks <= 1 else (ranks - 1) * self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
+        bandwidth, latency = self.collective or (self.bandwidth, self.latency)
+        return 0.0 if ranks <= 1 else (ranks - 1) * latency + (ranks - 1) / ranks * nbytes / bandwidth
 
 
 LINK_SIZES = (256, 1 << 20, 1 << 22)  # bytes of the messages ``measure_link`` times
@@ -89,6 +95,17 @@ def link_from_times(sizes: Sequence[int], times: Sequence[float]) -> Link:
     if per_byte <= 0:
         return Link(max(sizes) / max(times), 0.0, rendezvous=True)
     return Link(1.0 / per_byte, latency, rendezvous=True)
+
+
+def measure_collective(group: Any, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 5) -> tuple[float, float]:
+    """``(bandwidth, latency)`` of one ring step, from the median times of an all-reduce of each size over the
+    2-rank ``group`` (:meth:`Link.all_reduce` at two ranks: ``2 latency + bytes / bandwidth``), fitted with
+    non-negative coefficients. Every rank of ``group`` calls it."""
+    times = [_collectives.all_reduce_time(n, repeats, group) for n in sizes]
+    intercept, per_byte = (fit(list(sizes), times, 1).coef + [0.0])[:2]
+    if per_byte <= 0:
+        return max(sizes) / max(times), 0.0
+    return 1.0 / per_byte, intercept / 2
 
 
 LINKS = {

@@ -44,8 +44,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize(
     "layout",
-    [pytest.param(k, marks=pytest.mark.slow) if k in ("hybrid dp=2 optimizer", "helix p=2 x sp=2") else k
-     for k in LAYOUTS],  # (time)
+    [pytest.param(k, marks=pytest.mark.slow) if k in ("hybrid dp=2 optimizer", "helix p=2 x tp=2", "helix p=2 x sp=2")
+     else k for k in LAYOUTS],  # (time; helix x tp and x sp materialise as helix and tp=2 do, both fast)
 )  # fmt: skip
 def test_configure_model_on_meta_trains_with_parity(layout):
     strategy, world, dp = LAYOUTS[layout]

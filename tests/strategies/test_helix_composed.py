@@ -81,7 +81,7 @@ def _validated(rank, world_size, kwargs):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(tensor_parallel_size=2),
+        pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow),
         pytest.param(dict(sequence_parallel_size=2, sequence_parallel_mode="ring"), marks=pytest.mark.slow),
     ],
 )

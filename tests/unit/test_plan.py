@@ -67,7 +67,7 @@ def test_every_layout_is_predicted_ranked_and_checked(costs):
 
 
 def test_helix_with_tp_or_sp_and_full_sharding_are_ranked(costs):
-    """The compositions of issue 26 are planned: helix x tp and x sp (messages and work divided), full
+    """Helix with tensor and sequence parallelism and full sharding are planned: helix x tp and x sp (messages and work divided), full
     sharding (blocks' parameters, gradients and state divided by dp, FSDP2's gathers in the actions)."""
     problem = Problem(costs, 128, global_batch=8, link=LINKS["cpu"], optimizer="adamw")
     ranked = candidates(problem, 4, policies=("none",), heads=2)
