@@ -1,14 +1,16 @@
 """The planner's predictions for the compositions of helix and full sharding with tensor and sequence parallelism against measurements on this machine: HelixPipe with
 tensor or sequence parallelism inside its stages, and full sharding (FSDP2) above tensor parallelism, each on 4
-processes x 1 thread (2 cores), with helix at p=2 and data-parallel full sharding alone on 2 processes beside them.
+processes x 1 thread (2 cores), with helix at p=2, plain data parallelism, tensor parallelism alone and
+data-parallel full sharding on 2 processes beside them (the controls: one process per core).
 
-    .venv/bin/python benchmarks/planner_composed.py --seq-len 2048 --m 4 --reps 5
+    .venv/bin/python benchmarks/planner_composed.py --seq-len 2048 --m 4 --reps 5 --profiles 3 --actions
 
 Each layout runs in its own set of spawned processes, trained by a real ``Trainer`` with the strategy (the example
 GPT of ``benchmarks/pipeline.py``: H=128, 8 blocks, 4 heads, micro-batch = 1 sequence, SGD). In the same processes,
 before training, every rank profiles the model (``lightning_parallel.plan.profile`` at T/4, T/2 and T, all ranks at
 once, as all are busy in the run; the medians over the ranks, ``plan.combine``) and pairs of ranks time the link
-(``_collectives.receive_time``, the others computing meanwhile), so the prediction sees the machine the run sees.
+(``_collectives.receive_time``, the others computing meanwhile) and the all-reduce and all-gather
+(``measure_collectives``), so the prediction sees the machine the run sees.
 Measured: the step time (from the batch's start to its end on every rank, the slowest rank; medians of the steps
 after the first) and the peak of the tensors a step allocates per rank (``LiveTensorTracker``: gradients,
 activations, gathered parameters), against the prediction's step time and its memory allocated during the step
@@ -37,7 +39,7 @@ import pipeline as bench  # noqa: E402  (the model, the batch, the process harne
 
 from lightning_parallel import _collectives  # noqa: E402
 from lightning_parallel.plan import Layout, Problem, combine, predict, profile  # noqa: E402
-from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times, measure_collective  # noqa: E402
+from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times, measure_collectives  # noqa: E402
 
 #: name -> (processes, strategy source, the planner's layout)
 LAYOUTS: dict[str, tuple[int, str, Layout]] = {
@@ -47,6 +49,10 @@ LAYOUTS: dict[str, tuple[int, str, Layout]] = {
                          " mlp_chunks=1, recompute='none')", Layout(pp=2, tp=2, schedule="helix", microbatches=0, folds=2)),
     "helix p=2 x sp=2": (4, "HelixParallelStrategy(pipeline_parallel_size=2, sequence_parallel_size=2, num_microbatches={m},"
                          " mlp_chunks=1, recompute='none')", Layout(pp=2, sp=2, schedule="helix", microbatches=0, folds=2)),
+    "dp=2": (2, "HybridParallelStrategy(data_parallel_size=2)", Layout(dp=2, pp=1, microbatches=0)),
+    "tp=2": (2, "HybridParallelStrategy(tensor_parallel_size=2)", Layout(dp=1, pp=1, tp=2, microbatches=0)),
+    "dp=2 x tp=2": (4, "HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)",
+                    Layout(dp=2, pp=1, tp=2, microbatches=0)),
     "dp=2 full": (2, "HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding='full')",
                   Layout(dp=2, pp=1, microbatches=0, sharding="full")),
     "dp=2 x tp=2 full": (4, "HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2,"
@@ -123,7 +129,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     peer = rank ^ 1  # pairs (0, 1), (2, 3): every rank busy while the link and the collectives are timed
     link_times = [_collectives.receive_time(peer, n, 5) for n in LINK_SIZES]
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
-    collective = measure_collective(pairs[rank // 2])
+    collectives = measure_collectives(pairs[rank // 2])
     x, y = bench.batch(T, m)
     dp = LAYOUTS[args.layout][2].dp
     timer = _Timer(last=args.reps)
@@ -136,7 +142,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
                                                     batch_size=m // dp))  # fmt: skip
     stage = getattr(trainer.strategy, "stage", 0)
     kinds = bench.kind_seconds(timer.timeline, timer.steps[-1]) if timer.timeline else {}
-    out.put((rank, (profiles, link_times, timer.steps[1:], timer.peak, stage, kinds, collective)))
+    out.put((rank, (profiles, link_times, timer.steps[1:], timer.peak, stage, kinds, collectives)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -172,6 +178,7 @@ def main() -> None:
     ap.add_argument("--actions", action="store_true", help="also print seconds per action kind and stage (pipelines)")
     args = ap.parse_args()
     breakdown: list = []
+    links: list[str] = []
     print(f"torch {torch.__version__}, example GPT H={bench.H} x {bench.LAYERS} blocks, T={args.seq_len}, m={args.m},"
           f" SGD, 1 thread per process on this machine's cores; medians of {args.reps} steps\n")  # fmt: skip
     print("| layout | processes | predicted step s | measured step s | error | predicted step MiB per stage |"
@@ -185,8 +192,11 @@ def main() -> None:
         share = world / min(world, os.cpu_count() or 1)  # processes per core
         costs = _slower(costs, share)
         times = [statistics.median(column) for column in zip(*(r[1] for r in results.values()))]
-        collective = tuple(statistics.median(column) for column in zip(*(r[6] for r in results.values())))
-        link = replace(link_from_times(LINK_SIZES, times), collective=collective)
+        fits = {
+            f: tuple(statistics.median(c) for c in zip(*(r[6][f] for r in results.values())))
+            for f in ("collective", "gather")
+        }
+        link = replace(link_from_times(LINK_SIZES, times), **fits)
         problem = Problem(costs, args.seq_len, global_batch=args.m, link=link, optimizer="sgd")
         layout = Layout(**{**layout.__dict__, "microbatches": args.m if layout.pp > 1 else 1})
         pr = predict(problem, layout)
@@ -203,6 +213,10 @@ def main() -> None:
         mem_err = max(abs(pr.step_memory[s] - peaks.get(s, 0)) / max(peaks.get(s, 1), 1) for s in stages)
         print(f"| {name} | {world} | {pr.step_time:.3f} | {measured:.3f} | {(pr.step_time - measured) / measured:+.1%} |"
               f" {pm} | {mm} | {mem_err:.1%} |", flush=True)  # fmt: skip
+        ring = {f: f"{bw / 1e9:.2f} GB/s + {lat * 1e6:.0f} us" for f, (bw, lat) in fits.items()}
+        links.append(f"{name}: p2p {link.bandwidth / 1e9:.2f} GB/s + {link.latency * 1e6:.0f} us, one ring step of"
+                     f" the all-reduce {ring['collective']}, of the all-gather {ring['gather']}")  # fmt: skip
+    print("\nThe links measured in the runs:\n" + "\n".join(f"- {line}" for line in links))
     if breakdown:
         print("\n| layout | stage | kind | predicted s | measured s (last step, one rank) |\n|---|---|---|---|---|")
         for name, pr, measured in breakdown:

@@ -302,16 +302,30 @@ def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | Non
     return sorted(times)[len(times) // 2]
 
 
-def all_reduce_time(nbytes: int, repeats: int, group: ProcessGroup) -> float:
-    """The median seconds of an all-reduce (sum) of ``nbytes`` over ``group`` (a barrier before each)."""
-    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
-    times = []
+def collective_time(kind: str, nbytes: int, repeats: int, group: ProcessGroup, busy: float = 0.01) -> float:
+    """The median seconds of a collective over ``group`` on a tensor of ``nbytes``, each after ``busy``
+    seconds of matrix products on every rank (as a tensor-parallel block computes before its all-reduce:
+    where processes share cores, the peers reach it apart): ``kind`` "all_reduce" (sum) or "all_gather"
+    (``nbytes`` the gathered whole, each rank's share in). The slowest rank's time, every rank returns it."""
+    world = dist.get_world_size(group)
+    whole = torch.zeros(max(nbytes // 4, world), dtype=torch.float32)
+    share = torch.zeros(whole.numel() // world, dtype=torch.float32)
+    run = {
+        "all_reduce": lambda: dist.all_reduce(whole, group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(whole[: share.numel() * world], share, group=group),
+    }[kind]
+    operand, times = torch.randn(128, 128), []
     for _ in range(repeats):
         dist.barrier(group)
         t0 = time.perf_counter()
-        dist.all_reduce(buf, group=group)
+        while time.perf_counter() - t0 < busy:
+            operand @ operand
+        t0 = time.perf_counter()
+        run()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    slowest = torch.tensor(sorted(times)[len(times) // 2], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.item()
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

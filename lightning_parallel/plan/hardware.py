@@ -46,9 +46,13 @@ class Link:
     latency: float
     rendezvous: bool = False
     collective: tuple[float, float] | None = None
-    """``(bandwidth, latency)`` of one ring step of the collectives where they were timed (:func:`measure_collective`:
+    """``(bandwidth, latency)`` of one ring step of the all-reduce where it was timed (:func:`measure_collectives`:
     gloo's all-reduce on CPU costs several times its bytes over the point-to-point link); ``None``: the
     point-to-point link's, the textbook ring."""
+    gather: tuple[float, float] | None = None
+    """The same for the all-gather, the reduce-scatter and the all-to-all: gloo's all-gather on CPU moves
+    several times fewer bytes per second than its all-reduce (measured: 70 ms to gather 25 MB over 2
+    processes, 20 ms to all-reduce them); ``None``: the all-reduce's."""
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -71,7 +75,7 @@ class Link:
 
     def all_gather(self, nbytes: float, ranks: int) -> float:
         """Also reduce-scatter and all-to-all: ``nbytes`` is the whole tensor."""
-        bandwidth, latency = self.collective or (self.bandwidth, self.latency)
+        bandwidth, latency = self.gather or self.collective or (self.bandwidth, self.latency)
         return 0.0 if ranks <= 1 else (ranks - 1) * latency + (ranks - 1) / ranks * nbytes / bandwidth
 
 
@@ -97,15 +101,22 @@ def link_from_times(sizes: Sequence[int], times: Sequence[float]) -> Link:
     return Link(1.0 / per_byte, latency, rendezvous=True)
 
 
-def measure_collective(group: Any, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 5) -> tuple[float, float]:
-    """``(bandwidth, latency)`` of one ring step, from the median times of an all-reduce of each size over the
-    2-rank ``group`` (:meth:`Link.all_reduce` at two ranks: ``2 latency + bytes / bandwidth``), fitted with
-    non-negative coefficients. Every rank of ``group`` calls it."""
-    times = [_collectives.all_reduce_time(n, repeats, group) for n in sizes]
-    intercept, per_byte = (fit(list(sizes), times, 1).coef + [0.0])[:2]
-    if per_byte <= 0:
-        return max(sizes) / max(times), 0.0
-    return 1.0 / per_byte, intercept / 2
+def measure_collectives(
+    group: Any, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 5
+) -> dict[str, tuple[float, float]]:
+    """``Link``'s ``collective`` and ``gather``: ``(bandwidth, latency)`` of one ring step of the all-reduce and of
+    the all-gather, each from the median times over the 2-rank ``group`` at each size (:meth:`Link.all_reduce`
+    at two ranks: ``2 latency + bytes / bandwidth``; :meth:`Link.all_gather`: ``latency + bytes / 2 bandwidth``),
+    fitted with non-negative coefficients. Every rank of ``group`` calls it."""
+    out = {}
+    for field, kind, steps, share in (("collective", "all_reduce", 2, 1.0), ("gather", "all_gather", 1, 0.5)):
+        times = [_collectives.collective_time(kind, n, repeats, group) for n in sizes]
+        intercept, per_byte = (fit(list(sizes), times, 1).coef + [0.0])[:2]
+        if per_byte <= 0:
+            out[field] = (share * max(sizes) / max(times), 0.0)
+        else:
+            out[field] = (share / per_byte, intercept / steps)
+    return out
 
 
 LINKS = {

@@ -356,8 +356,12 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
         gathered = 2 * block if full else 0.0  # one block whole (per tp) while it runs, and its gradient
         during[s] = grads[s] + max(sim.peak_in_flight[s], 0.0) + transient + gathered
         peak[s] = (blocks_on[s] * block / blocks_div + outer_stored) * state + whole + during[s]
-    if full:  # the blocks' gradients are reduce-scattered in the backward; the rest after the step
-        allreduce = link.all_gather(outer / layout.tp, layout.dp)
+    if full and (p == 1 or layout.tp == 1):
+        # the blocks' gradients are reduce-scattered in their backward (in f, b, i, w); FSDP2's units outside the
+        # trunk are gathered for the forward, again for the backward, and their gradients reduce-scattered
+        allreduce = 3 * link.all_gather(outer / layout.tp, layout.dp)
+    elif full:  # the vocabulary-parallel part stays whole over dp: its gradient is all-reduced
+        allreduce = link.all_reduce(outer / layout.tp, layout.dp)
     else:
         allreduce = max(link.all_reduce(g, layout.dp) for g in grads.values())
     m = layout.microbatches

@@ -150,17 +150,24 @@ def test_combine_takes_the_median_of_every_measurement(costs):
 
 
 def _link(rank, world_size):
-    from lightning_parallel.plan.hardware import measure_link
+    import torch.distributed as dist
+
+    from lightning_parallel.plan.hardware import measure_collectives, measure_link
 
     link = measure_link(1 - rank, repeats=4)
-    return link.bandwidth, link.latency, link.rendezvous
+    return link.bandwidth, link.latency, link.rendezvous, measure_collectives(dist.group.WORLD, repeats=3)
 
 
 def test_measure_link_times_the_runtimes_messages_between_two_ranks():
     from tests.helpers.distributed import run_distributed
 
-    for bandwidth, latency, rendezvous in run_distributed(_link, 2):
+    results = run_distributed(_link, 2)
+    for bandwidth, latency, rendezvous, collectives in results:
         assert 1e7 < bandwidth < 1e12 and 0.0 <= latency < 0.1 and rendezvous
+        for ring_bandwidth, ring_latency in collectives.values():
+            assert 1e7 < ring_bandwidth < 1e12 and 0.0 <= ring_latency < 0.1
+    for name, fitted in results[0][3].items():  # the slowest rank's times: both ranks fit the same
+        assert fitted == pytest.approx(results[1][3][name], rel=1e-9)
 
 
 def test_measure_link_fits_every_size_and_never_returns_an_absurd_bandwidth(monkeypatch):
@@ -175,3 +182,21 @@ def test_measure_link_fits_every_size_and_never_returns_an_absurd_bandwidth(monk
     monkeypatch.setattr(_collectives, "receive_time", lambda peer, n, repeats, group: noisy[n])
     link = measure_link(1)
     assert link.bandwidth == pytest.approx((1 << 22) / 3e-3) and link.latency == 0.0
+
+
+def test_measure_collectives_fits_the_all_reduce_and_the_all_gather_apart(monkeypatch):
+    """gloo's all-gather moves fewer bytes per second than its all-reduce: the two are fitted apart, and a link
+    carrying both prices the reduce-scatter and all-gather of full sharding by the all-gather's fit."""
+    from lightning_parallel import _collectives
+    from lightning_parallel.plan.hardware import Link, measure_collectives
+
+    truth = {"collective": Link(1e9, 2e-4), "gather": Link(2e8, 5e-4)}  # one ring step of each
+    times = {"all_reduce": truth["collective"].all_reduce, "all_gather": truth["gather"].all_gather}
+    monkeypatch.setattr(_collectives, "collective_time", lambda kind, n, repeats, group: times[kind](n, 2))
+    fits = measure_collectives(None)
+    for name, link in truth.items():
+        assert fits[name] == pytest.approx((link.bandwidth, link.latency))
+    link = Link(5e9, 1e-5, **fits)
+    assert link.all_reduce(1 << 22, 4) == pytest.approx(truth["collective"].all_reduce(1 << 22, 4))
+    assert link.all_gather(1 << 22, 4) == pytest.approx(truth["gather"].all_gather(1 << 22, 4))
+    assert Link(5e9, 1e-5, collective=fits["collective"]).all_gather(1 << 22, 4) < link.all_gather(1 << 22, 4)
