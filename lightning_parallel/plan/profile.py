@@ -40,10 +40,8 @@ from lightning_parallel.blocks import BlockConfig, apply_recompute
 from lightning_parallel.memory import kept_at_width, kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,
-    TrunkCallError,
-    capture,
+    capture_learning,
     loss_of,
-    probe_output_structure,
     substitute,
     unwrap_output,
 )
@@ -61,13 +59,7 @@ def crop(batch: Any, seq_len: int) -> Any:
 
 
 def _capture(trunk: Trunk, step: Callable[[], Any]) -> tuple[Capture, Any]:
-    try:
-        return capture(trunk, step, None), None
-    except TrunkCallError as err:
-        if err.first_call is None:
-            raise
-        like = probe_output_structure(trunk.blocks[0], *err.first_call)
-        return capture(trunk, step, like), like
+    return capture_learning(trunk, step, None, lambda: trunk.blocks[0])
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
