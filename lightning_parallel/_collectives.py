@@ -11,6 +11,7 @@ import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -84,11 +85,67 @@ def broadcast_(tensors: Iterable[Tensor], group: ProcessGroup, group_src: int = 
                 bucket.append(t)
 
 
+def comm_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device a tensor this module creates for ``group``'s collectives lives on: CUDA's current device when
+    the group has no host backend (NCCL alone, Lightning's default on GPUs: "No backend type associated with
+    device type cpu" otherwise), else the host (gloo, or ``"cpu:gloo,cuda:nccl"``, which serves host tensors on
+    purpose). Tensors the caller hands over keep their own device."""
+    from torch.distributed.distributed_c10d import _get_object_coll_device
+
+    kind = _get_object_coll_device(group)
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def _on(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small tensor built from host values (a header, a flag vector) on ``device``: one copy to it."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 # ------------------------------------------------------------------------------------------- p2p
-# gloo sends are rendezvous for a *blocking* send, but an ``isend`` whose ``wait`` is deferred does not
-# block: the runtime posts every send at once, waits for all of them at the end of the step, and blocks
-# only in receives. Tags identify each message, so matching never depends on order. Never poll
-# ``is_completed()`` on gloo p2p (it never turns true).
+# NCCL's rules, which gloo does not enforce (tests/helpers/comm_check.py checks them on gloo): tags are
+# ignored, so the i-th send from A to B meets the i-th receive B posts from A, whatever either tag says; and
+# unbatched sends and receives between two ranks share one in-order stream per communicator, so two ranks
+# that each send before receiving wait on each other once a message exceeds NCCL's buffering. Hence:
+# messages to a higher rank travel on one process group and to a lower rank on another (:class:`Lanes`: each
+# direction its own stream), and within one direction the runtime sends in the receiver's order
+# (``pipeline.messages``). Tags stay (gloo matches by them). Never poll ``is_completed()`` on gloo p2p (it
+# never turns true).
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """Point-to-point between the ranks of one pipeline group over two process groups with its members:
+    a message to a higher global rank on ``up``, to a lower one on ``down``. Each is its own NCCL communicator,
+    so each direction between two ranks has its own stream: a stage's send can never queue behind its own
+    receive of the peer's send (the cross-send deadlock of 1F1B's steady state and of helix). ``group`` is the
+    pipeline group itself (collectives)."""
+
+    group: ProcessGroup
+    up: ProcessGroup
+    down: ProcessGroup
+
+    def to(self, dst: int) -> ProcessGroup:
+        """The group a message to global rank ``dst`` travels on."""
+        return self.up if dst > dist.get_rank() else self.down
+
+    def source(self, src: int) -> ProcessGroup:
+        """The group a message from global rank ``src`` arrives on."""
+        return self.up if src < dist.get_rank() else self.down
+
+
+def make_lanes(rank_lists: list[list[int]], group: ProcessGroup) -> Lanes:
+    """This rank's :class:`Lanes` in its pipeline group ``group``; ``rank_lists`` are every pipeline group's
+    global ranks, the same list on every rank (each lane is created by every rank, in the same order, as
+    ``new_group`` requires)."""
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        up, down = dist.new_group(ranks), dist.new_group(ranks)
+        if me in ranks:
+            mine = Lanes(group, up, down)
+    if mine is None:
+        raise ValueError(f"rank {me} is in none of the pipeline groups {rank_lists}")
+    return mine
+
 
 _DTYPES = [
     torch.float32,
@@ -104,14 +161,19 @@ _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS + 1  # ndim, dtype, shape..., producer wall time in microseconds
 
 
-def isend_with_header(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
-    """Send shape, dtype and the send time, then the data; returns the works and buffers to keep alive."""
+def _header(tensor: Tensor | None) -> list[int]:
+    if tensor is None:
+        return [0] * _HEADER
     if tensor.dim() > _MAX_DIMS:
         raise ValueError(f"cannot send a {tensor.dim()}-d tensor; at most {_MAX_DIMS} dims")
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    header[-1] = int(time.time() * 1e6)
+    shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
+    return [tensor.dim(), _DTYPES.index(tensor.dtype), *shape, int(time.time() * 1e6)]
+
+
+def isend_with_header(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
+    """Send shape, dtype and the send time (a header on the tensor's device), then the data; returns the works
+    and buffers to keep alive."""
+    header = _on(_header(tensor), torch.int64, tensor.device)
     data = tensor.detach().contiguous()
     return [
         (dist.isend(header, dst, group=group, tag=2 * tag), header),
@@ -120,13 +182,15 @@ def isend_with_header(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -
 
 
 def recv_with_header(src: int, tag: int, group: ProcessGroup, device: torch.device) -> tuple[Tensor, float]:
-    """Receive a tensor sent by ``isend_with_header``; returns it and the producer's send time (s)."""
-    header = torch.empty(_HEADER, dtype=torch.int64)
+    """Receive a tensor sent by ``isend_with_header``; returns it and the producer's send time (s). Reading the
+    header waits for it on the host (a device header: one copy back per message)."""
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.irecv(header, src, group=group, tag=2 * tag).wait()
-    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    out = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    values = header.tolist()
+    ndim, dtype = values[0], _DTYPES[values[1]]
+    out = torch.empty(values[2 : 2 + ndim], dtype=dtype, device=device)
     dist.irecv(out, src, group=group, tag=2 * tag + 1).wait()
-    return out, int(header[-1]) / 1e6
+    return out, values[-1] / 1e6
 
 
 def isend(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> tuple[dist.Work, Tensor]:
@@ -142,13 +206,13 @@ def recv_into(out: Tensor, src: int, tag: int, group: ProcessGroup) -> Tensor:
 
 def isend_timed(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
     """``isend`` preceded by the producer's wall time (one float64), for the timeline's bubble analysis."""
-    stamp = torch.tensor([time.time()], dtype=torch.float64)
+    stamp = _on([time.time()], torch.float64, tensor.device)
     return [(dist.isend(stamp, dst, group=group, tag=2 * tag), stamp), isend(tensor, dst, tag, group)]
 
 
 def recv_into_timed(out: Tensor, src: int, tag: int, group: ProcessGroup) -> tuple[Tensor, float]:
     """Receive what ``isend_timed`` sent into ``out``; returns it and the producer's send time (s)."""
-    stamp = torch.empty(1, dtype=torch.float64)
+    stamp = torch.empty(1, dtype=torch.float64, device=out.device)
     works = [dist.irecv(stamp, src, group=group, tag=2 * tag), dist.irecv(out, src, group=group, tag=2 * tag + 1)]
     for work in works:
         work.wait()
@@ -157,16 +221,14 @@ def recv_into_timed(out: Tensor, src: int, tag: int, group: ProcessGroup) -> tup
 
 def broadcast_with_header(tensor: Tensor | None, src: int, group: ProcessGroup, device: torch.device) -> Tensor:
     """Broadcast a tensor whose shape only ``src`` (a global rank) knows."""
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    if tensor is not None:
-        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    header = _on(_header(tensor), torch.int64, device)
     dist.broadcast(header, src, group=group)
-    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    values = header.tolist()
+    ndim, dtype = values[0], _DTYPES[values[1]]
     out = (
         tensor.detach().contiguous()
         if tensor is not None
-        else torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+        else torch.empty(values[2 : 2 + ndim], dtype=dtype, device=device)
     )
     dist.broadcast(out, src, group=group)
     return out
@@ -278,8 +340,9 @@ def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | Non
     bandwidth here, which no run met: docs/benchmarks.md, Planner). This rank and ``peer`` (global ranks;
     both call it, each naming the other) take turns sending; each returns what it measured as the
     receiver."""
-    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
-    operand = torch.randn(128, 128)
+    device = comm_device(group)
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    operand = torch.randn(128, 128, device=device)
     me, times = dist.get_rank(), []
 
     def compute(seconds: float) -> None:
@@ -307,14 +370,14 @@ def collective_time(kind: str, nbytes: int, repeats: int, group: ProcessGroup, b
     seconds of matrix products on every rank (as a tensor-parallel block computes before its all-reduce:
     where processes share cores, the peers reach it apart): ``kind`` "all_reduce" (sum) or "all_gather"
     (``nbytes`` the gathered whole, each rank's share in). The slowest rank's time, every rank returns it."""
-    world = dist.get_world_size(group)
-    whole = torch.zeros(max(nbytes // 4, world), dtype=torch.float32)
-    share = torch.zeros(whole.numel() // world, dtype=torch.float32)
+    world, device = dist.get_world_size(group), comm_device(group)
+    whole = torch.zeros(max(nbytes // 4, world), dtype=torch.float32, device=device)
+    share = torch.zeros(whole.numel() // world, dtype=torch.float32, device=device)
     run = {
         "all_reduce": lambda: dist.all_reduce(whole, group=group),
         "all_gather": lambda: dist.all_gather_into_tensor(whole[: share.numel() * world], share, group=group),
     }[kind]
-    operand, times = torch.randn(128, 128), []
+    operand, times = torch.randn(128, 128, device=device), []
     for _ in range(repeats):
         dist.barrier(group)
         t0 = time.perf_counter()
@@ -323,9 +386,9 @@ def collective_time(kind: str, nbytes: int, repeats: int, group: ProcessGroup, b
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(sorted(times)[len(times) // 2], dtype=torch.float64)
+    slowest = _on([sorted(times)[len(times) // 2]], torch.float64, device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return slowest.item()
+    return slowest[0].item()
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -340,7 +403,7 @@ def broadcast_object(obj: object, src: int, group: ProcessGroup | None) -> objec
 
 def any_over_group(flags: list[bool], group: ProcessGroup) -> list[bool]:
     """Element-wise logical OR of ``flags`` over ``group``."""
-    t = torch.tensor(flags, dtype=torch.uint8)
+    t = _on([int(f) for f in flags], torch.uint8, comm_device(group))
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [bool(x) for x in t.tolist()]
@@ -383,16 +446,19 @@ def pack(tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
     tensor is copied into its slice of the payload once (strided views and casts included)."""
     if not 0 < len(tensors) <= _MAX_PACKED:
         raise ValueError(f"isend_packed takes 1 to {_MAX_PACKED} tensors, got {len(tensors)}")
-    header = torch.zeros(_PACKED_HEADER, dtype=torch.int64)
-    header[0] = len(tensors)
+    values = [0] * _PACKED_HEADER
+    values[0] = len(tensors)
     wide = tensors[0].dtype
     for i, t in enumerate(tensors):
+        if t.dim() > _MAX_DIMS:
+            raise ValueError(f"cannot send a {t.dim()}-d tensor; at most {_MAX_DIMS} dims")
         base = 1 + i * (2 + _MAX_DIMS)
-        header[base], header[base + 1] = t.dim(), _DTYPES.index(t.dtype)
-        header[base + 2 : base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        values[base], values[base + 1] = t.dim(), _DTYPES.index(t.dtype)
+        values[base + 2 : base + 2 + t.dim()] = list(t.shape)
         wide = torch.promote_types(wide, t.dtype)
-    header[-2] = _DTYPES.index(wide)
-    header[-1] = int(time.time() * 1e6)
+    values[-2] = _DTYPES.index(wide)
+    values[-1] = int(time.time() * 1e6)
+    header = _on(values, torch.int64, tensors[0].device)
     payload = torch.empty(sum(t.numel() for t in tensors), dtype=wide, device=tensors[0].device)
     offset = 0
     with torch.no_grad():
@@ -413,18 +479,18 @@ def isend_packed(tensors: list[Tensor], dst: int, tag: int, group: ProcessGroup)
     ]
 
 
-def _spec_of(header: Tensor) -> Spec:
+def _spec_of(header: list[int]) -> Spec:
     specs = []
-    for i in range(int(header[0])):
+    for i in range(header[0]):
         base = 1 + i * (2 + _MAX_DIMS)
-        specs.append((header[base + 2 : base + 2 + int(header[base])].tolist(), _DTYPES[int(header[base + 1])]))
-    return specs, _DTYPES[int(header[-2])]
+        specs.append((header[base + 2 : base + 2 + header[base]], _DTYPES[header[base + 1]]))
+    return specs, _DTYPES[header[-2]]
 
 
 def post_recv_packed(src: int, tag: int, group: ProcessGroup, device: torch.device, expect: Spec) -> Any:
     """Post the receives of a packed message whose spec the caller knows (header and payload at once: one round
     trip; its bytes may move while this process computes); :func:`complete_recv_packed` waits for them."""
-    header = torch.empty(_PACKED_HEADER, dtype=torch.int64)
+    header = torch.empty(_PACKED_HEADER, dtype=torch.int64, device=device)
     payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in expect[0]), dtype=expect[1], device=device)
     works = [dist.irecv(header, src, group=group, tag=2 * tag)]
     works.append(dist.irecv(payload, src, group=group, tag=2 * tag + 1))
@@ -437,10 +503,11 @@ def complete_recv_packed(posted: Any) -> tuple[list[Tensor], float, Spec]:
     works, header, payload, expect, src, tag = posted
     for work in works:
         work.wait()
-    spec = _spec_of(header)
+    values = header.tolist()  # the one wait on the host per message
+    spec = _spec_of(values)
     if spec != expect:
         raise RuntimeError(f"a packed message from rank {src} (tag {tag}) is {spec}; its receiver expected {expect}")
-    return _unpack(header, payload, spec)
+    return _unpack(values, payload, spec)
 
 
 def recv_packed(
@@ -451,18 +518,19 @@ def recv_packed(
     together with the header's: one round trip instead of two."""
     if expect is not None:
         return complete_recv_packed(post_recv_packed(src, tag, group, device, expect))
-    header = torch.empty(_PACKED_HEADER, dtype=torch.int64)
+    header = torch.empty(_PACKED_HEADER, dtype=torch.int64, device=device)
     dist.irecv(header, src, group=group, tag=2 * tag).wait()
-    spec = _spec_of(header)
+    values = header.tolist()
+    spec = _spec_of(values)
     payload = torch.empty(sum(int(torch.Size(s).numel()) for s, _ in spec[0]), dtype=spec[1], device=device)
     dist.irecv(payload, src, group=group, tag=2 * tag + 1).wait()
-    return _unpack(header, payload, spec)
+    return _unpack(values, payload, spec)
 
 
-def _unpack(header: Tensor, payload: Tensor, spec: Spec) -> tuple[list[Tensor], float, Spec]:
+def _unpack(header: list[int], payload: Tensor, spec: Spec) -> tuple[list[Tensor], float, Spec]:
     sizes = [int(torch.Size(shape).numel()) for shape, _ in spec[0]]
     parts = [part.view(shape).to(dtype) for part, (shape, dtype) in zip(payload.split(sizes), spec[0])]
-    return parts, int(header[-1]) / 1e6, spec
+    return parts, header[-1] / 1e6, spec
 
 
 # ------------------------------------------------------------------- differentiable (sequence parallel)

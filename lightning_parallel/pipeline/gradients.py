@@ -66,7 +66,10 @@ def clip_grad_norm_(
     ``total`` is the 2-norm of ``counted`` (this rank's share: local tensors, each element of the model
     counted on exactly one rank) summed over each of ``groups`` in turn. Returns ``total``."""
     norms = [torch.linalg.vector_norm(g, 2) for g in counted]
-    squares = (torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())).pow(2)
+    if norms:
+        squares = torch.linalg.vector_norm(torch.stack(norms), 2).pow(2)
+    else:  # this rank counts nothing: a zero on the device its groups' collectives take
+        squares = torch.zeros((), device=_collectives.comm_device(groups[0]) if groups else None)
     dtype = squares.dtype
     for group in groups:
         squares = _collectives.sum_of_squares(squares, group)

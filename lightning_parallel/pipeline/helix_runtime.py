@@ -63,8 +63,9 @@ class HelixRuntime(PipelineRuntime):
         if stage == self.stage:
             ctx.local[(consumer, index, mb)] = [t.detach() for t in tensors]
             return
-        sends = _collectives.isend_packed(tensors, self.rank_of_stage(stage), self.tag(consumer, mb, index), self.group)
-        ctx.posted(mb, sends)
+        dst, tag = self.rank_of_stage(stage), self.tag(consumer, mb, index)
+        send = lambda: _collectives.isend_packed(tensors, dst, tag, self.lanes.to(dst))  # noqa: E731
+        ctx.outbox.put(stage, (consumer, mb, index), send)
 
     def _recv(self, ctx: StepContext, n: int, stage: int, a: Action) -> list[Tensor]:
         if stage == self.stage:
@@ -78,8 +79,10 @@ class HelixRuntime(PipelineRuntime):
             if posted is not None:
                 out, clock.sent, self.specs[key] = _collectives.complete_recv_packed(posted)
             else:
+                ctx.inbox.take(stage, tuple(a))
+                src = self.rank_of_stage(stage)
                 out, clock.sent, self.specs[key] = _collectives.recv_packed(
-                    self.rank_of_stage(stage), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device,
+                    src, self.tag(a.kind, a.microbatch, a.chunk), self.lanes.source(src), self.device,
                     self.specs.get(key),
                 )  # fmt: skip
         ctx.received(a.microbatch)
@@ -92,8 +95,8 @@ class HelixRuntime(PipelineRuntime):
     def _attention_stage(self, layer: int, mb: int) -> int:
         return attention_stage(layer, mb, self.num_stages, self.folds)
 
-    def _source(self, a: Action) -> int | None:
-        """The stage action ``a`` receives from (``None``: it receives nothing)."""
+    def source_of(self, a: Action, stage: int | None = None) -> int | None:
+        """The stage action ``a`` receives from (``None``: it receives nothing; the same stage: handed over)."""
         j, mb, p = a.chunk, a.microbatch, self.num_stages
         if a.kind == "FA":
             return (j - 1) % p
@@ -107,17 +110,25 @@ class HelixRuntime(PipelineRuntime):
         """Post the receives of the next ``receives_ahead`` actions whose messages' shapes are known, so their
         bytes move while this action computes (measured at T=4096, m=4, p=2: transfer 0.17 -> 0.03 s per stage
         and step, the step 1.08x faster with 2 ahead; 1 ahead gained nothing; docs/benchmarks.md, "Helix against
-        torch's 1F1B at T=4096, m=4, after the transport work")."""
+        torch's 1F1B at T=4096, m=4, after the transport work"). From each stage only in action order
+        (``ctx.inbox``): one that cannot be posted yet (its shapes unknown, its micro-batch not captured) stops
+        the later ones from that stage, which NCCL would otherwise match with the earlier message."""
+        blocked: set[int] = set()
         for a in actions[i + 1 : i + 1 + self.receives_ahead]:
-            src = self._source(a)
-            if src is None or src == self.stage or tuple(a) in ctx.ahead or a.microbatch not in ctx.captures:
+            src = self.source_of(a)
+            if src is None or src == self.stage or src in blocked or tuple(a) in ctx.ahead:
                 continue
-            trunk_input = ctx.captures[a.microbatch].trunk_input
-            spec = self.specs.get((a.kind, a.chunk, tuple(trunk_input.shape), trunk_input.dtype))
+            spec = None
+            if a.microbatch in ctx.captures and ctx.inbox.is_next(src, tuple(a)):
+                trunk_input = ctx.captures[a.microbatch].trunk_input
+                spec = self.specs.get((a.kind, a.chunk, tuple(trunk_input.shape), trunk_input.dtype))
             if spec is None:
+                blocked.add(src)
                 continue
+            ctx.inbox.take(src, tuple(a))
+            rank = self.rank_of_stage(src)
             ctx.ahead[tuple(a)] = _collectives.post_recv_packed(
-                self.rank_of_stage(src), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device, spec
+                rank, self.tag(a.kind, a.microbatch, a.chunk), self.lanes.source(rank), self.device, spec
             )
 
     # ------------------------------------------------------------------------------- the parts
@@ -282,12 +293,12 @@ class HelixRuntime(PipelineRuntime):
             x = self._enter(hidden, ev.shard) if i == 0 else ev.carry
             (q, k, v), rest = self._pre(i, x, args, kwargs, ev.shard)
             if post_stage != pre_stage:
-                ev.sends += _collectives.isend_packed([q, k, v, *rest], self.rank_of_stage(post_stage), tag, self.group)
+                dst = self.rank_of_stage(post_stage)
+                ev.sends += _collectives.isend_packed([q, k, v, *rest], dst, tag, self.lanes.to(dst))
         if self.stage == post_stage:
             if post_stage != pre_stage:
-                (q, k, v, *rest), _, _ = _collectives.recv_packed(
-                    self.rank_of_stage(pre_stage), tag, self.group, self.device
-                )
+                src = self.rank_of_stage(pre_stage)
+                (q, k, v, *rest), _, _ = _collectives.recv_packed(src, tag, self.lanes.source(src), self.device)
             out = self._attend(i, q, k, v, args, kwargs, ev.shard)
             ev.carry = self._post_part(i, out, tuple(rest), args, kwargs, ev.shard)
         return None, (ev.carry if i == self.num_layers - 1 and self.stage == 0 else None)

@@ -4,8 +4,10 @@
 names in ``handlers`` (as torch's ``_PipelineScheduleRuntime`` dispatches on computation types), with the
 step's state in a :class:`StepContext`, and records the action in the timeline. This class registers the
 handlers of chunked pipelines (GPipe, 1F1B, interleaved, zero bubble: ``F``, ``B``, ``I``, ``W``);
-``HelixRuntime`` registers HelixPipe's (``FP``, ``FA``, ``BP``, ``BA``). Every message is tagged by
-:meth:`tag` from the action that consumes it, so a message cannot be taken by the wrong action.
+``HelixRuntime`` registers HelixPipe's (``FP``, ``FA``, ``BP``, ``BA``). Messages follow NCCL's rules
+(``pipeline.messages``): each direction between two stages on its own process group (``_collectives.Lanes``),
+sent in the order their receiver consumes them, received in action order. Every message is also tagged by
+:meth:`tag` from the action that consumes it (gloo matches by tag).
 
 Per forward action (micro-batch i, chunk c) on the stage that owns chunk c:
 
@@ -20,7 +22,8 @@ Per forward action (micro-batch i, chunk c) on the stage that owns chunk c:
 Per backward action ``B``: back-propagate the loss (scaled by the micro-batch's weight) or the received
 output gradient, and send the input's gradient back. A zero-bubble schedule splits it
 (``split_backward``): ``I`` computes and sends the input's gradient only, ``W`` the weights' later.
-Sends are posted without waiting; only receives block. A stage's sends of a micro-batch are completed
+Sends are posted without waiting (held back while an earlier message to the same stage is still to come);
+only receives block. A stage's sends of a micro-batch are completed
 when its next message from another stage arrives (received by then: ``StepContext.received``), the
 rest at the end of the step. Every
 action is recorded in ``timeline`` (start, end, when its receive started and ended, and the producer's
@@ -49,6 +52,7 @@ from lightning_parallel.pipeline.capture import (
     unwrap_output,
     wrap_output,
 )
+from lightning_parallel.pipeline.messages import Inbox, Outbox, message_orders
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.pipeline.split_backward import WeightWork, backward_input
 from lightning_parallel.trunk import Trunk
@@ -128,6 +132,8 @@ class StepContext:
     ahead: dict[tuple, Any] = field(default_factory=dict)  # receives posted ahead, by consuming action
     clock: RecvClock = field(default_factory=RecvClock)
     split: bool = False  # the schedule splits the backward into I and W
+    outbox: Any = None  # messages.Outbox: sends in their receivers' order
+    inbox: Any = None  # messages.Inbox: receives in this stage's order
 
     def posted(self, microbatch: int, sends: list[tuple[Any, Tensor]]) -> None:
         """Keep a message's sends (and their payload) until they are known to be complete."""
@@ -171,12 +177,12 @@ class PipelineRuntime:
         chunk_blocks: list[range],
         stage: int,
         stage_ranks: list[int],
-        group: Any,
+        lanes: _collectives.Lanes,
         device: torch.device,
         chunk_stages: list[int] | None = None,
     ) -> None:
         self.trunk, self.chunk_blocks, self.stage = trunk, chunk_blocks, stage
-        self.stage_ranks, self.group, self.device = stage_ranks, group, device
+        self.stage_ranks, self.lanes, self.group, self.device = stage_ranks, lanes, lanes.group, device
         self.num_stages, self.num_chunks = len(stage_ranks), len(chunk_blocks)
         self.chunk_stages = chunk_stages or [c % self.num_stages for c in range(self.num_chunks)]
         self.local_chunks = [c for c in range(self.num_chunks) if self.chunk_stages[c] == stage]
@@ -208,17 +214,21 @@ class PipelineRuntime:
     # ------------------------------------------------------------------------------- training
     def run(
         self,
-        actions: list[Action],
+        schedule: dict[int, list[Action]],
         steps: list[Callable[[], Any]],
         loss_of: Callable[[Any], Tensor],
         loss_weights: list[float],
     ) -> dict[int, tuple[Tensor, Any]]:
-        """Run one training step's actions; ``steps[i]()`` runs the user's step on micro-batch i.
+        """Run this stage's actions of one training step's ``schedule`` (every stage's, for the order of the
+        messages); ``steps[i]()`` runs the user's step on micro-batch i.
 
         Returns, on the stage that runs the loss, ``{i: (loss_i detached, step output)}``.
         """
         self.timeline = []
+        actions = schedule[self.stage]
         ctx = StepContext(steps, loss_of, loss_weights, split=any(a.kind == "I" for a in actions))
+        outgoing, incoming = message_orders(schedule, self.stage, self.source_of)
+        ctx.outbox, ctx.inbox = Outbox(outgoing, ctx.posted), Inbox(incoming)
         ctx.backwards_left = {i: 0 for i in range(len(steps))}
         for a in actions:
             if a.kind in ("B", "I", "BP", "BA"):
@@ -228,8 +238,17 @@ class PipelineRuntime:
             self._ahead(ctx, actions, i)
             self.handlers[a.kind](ctx, a)
             self.timeline.append(ctx.clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
+        ctx.outbox.check_empty()
         ctx.complete_all()
         return ctx.results
+
+    def source_of(self, a: Action, stage: int) -> int | None:
+        """The stage that action ``a`` (run by ``stage``) receives its message from; ``None``: it receives none."""
+        if a.kind == "F" and a.chunk > 0:
+            return self.chunk_stages[a.chunk - 1]
+        if a.kind in ("B", "I") and a.chunk < self.num_chunks - 1:
+            return self.chunk_stages[a.chunk + 1]
+        return None
 
     def _ahead(self, ctx: StepContext, actions: list[Action], i: int) -> None:
         """Before action ``i`` runs: post receives of later actions ahead (HelixPipe)."""
@@ -262,26 +281,25 @@ class PipelineRuntime:
         """Send ``tensor`` to the action that consumes it: a forward's activation (with its shape in a header)
         or a gradient (the receiver knows the shape). A consumer on this same stage (two chunks of a V)
         gets it handed over, detached, as a receive would give it."""
-        if self.chunk_stages[consumer.chunk] == self.stage:
+        stage = self.chunk_stages[consumer.chunk]
+        if stage == self.stage:
             ctx.local[tuple(consumer)] = [tensor.detach()]
             return
         dst, tag = self.rank_of(consumer.chunk), self.tag(consumer.kind, consumer.microbatch, consumer.chunk)
         send = _collectives.isend_with_header if consumer.kind == "F" else _collectives.isend_timed
-        ctx.posted(consumer.microbatch, send(tensor, dst, tag, self.group))
+        ctx.outbox.put(stage, tuple(consumer), lambda: send(tensor, dst, tag, self.lanes.to(dst)))
 
     def _receive(self, ctx: StepContext, src_chunk: int, a: Action, like: Tensor | None = None) -> Tensor:
         """What chunk ``src_chunk`` sent to action ``a`` (a gradient shaped ``like``, else an activation)."""
         if self.chunk_stages[src_chunk] == self.stage:
             return ctx.local.pop(tuple(a))[0]
+        ctx.inbox.take(self.chunk_stages[src_chunk], tuple(a))
+        src, tag = self.rank_of(src_chunk), self.tag(a.kind, a.microbatch, a.chunk)
         with ctx.clock as clock:
             if like is None:
-                out, clock.sent = _collectives.recv_with_header(
-                    self.rank_of(src_chunk), self.tag(a.kind, a.microbatch, a.chunk), self.group, self.device
-                )
+                out, clock.sent = _collectives.recv_with_header(src, tag, self.lanes.source(src), self.device)
             else:
-                out, clock.sent = _collectives.recv_into_timed(
-                    torch.empty_like(like), self.rank_of(src_chunk), self.tag(a.kind, a.microbatch, a.chunk), self.group
-                )
+                out, clock.sent = _collectives.recv_into_timed(torch.empty_like(like), src, tag, self.lanes.source(src))
         ctx.received(a.microbatch)
         return out
 
@@ -432,15 +450,15 @@ class PipelineRuntime:
                 self._like_known = True
             return None, None
         if j == self.chunk_blocks[c].start and c > 0 and self.chunk_stages[c - 1] != self.stage:
+            src = self.rank_of(c - 1)
             hidden, _ = _collectives.recv_with_header(
-                self.rank_of(c - 1), self.tag("E", ev.passes, c), self.group, self.device
+                src, self.tag("E", ev.passes, c), self.lanes.source(src), self.device
             )
         out = real(hidden, *args, **kwargs)
         self.output_like, self._like_known = structure_of(out), True
         y = unwrap_output(out, block)
         last_of_chunk = j == self.chunk_blocks[c].stop - 1 and c < self.num_chunks - 1
         if last_of_chunk and self.chunk_stages[c + 1] != self.stage:  # (the next chunk here takes it as it is)
-            ev.sends += _collectives.isend_with_header(
-                y, self.rank_of(c + 1), self.tag("E", ev.passes, c + 1), self.group
-            )
+            dst = self.rank_of(c + 1)
+            ev.sends += _collectives.isend_with_header(y, dst, self.tag("E", ev.passes, c + 1), self.lanes.to(dst))
         return out, y

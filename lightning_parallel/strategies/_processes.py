@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.mesh import DP, PP, ParallelDims
+from lightning_parallel.mesh import AXES, DP, PP, ParallelDims
 from lightning_parallel.strategies import _failures
 from lightning_parallel.strategies._full_shard import check_full
 
@@ -83,6 +83,13 @@ class ProcessesMixin:
     @property
     def pp_group(self) -> Optional[dist.ProcessGroup]:
         return self._mesh.get_group(PP) if self._mesh is not None else None
+
+    @property
+    def pp_lanes(self) -> _collectives.Lanes:
+        """The pipeline group's two point-to-point lanes (``_collectives.Lanes``), made with the mesh."""
+        if self._lanes is None:
+            raise RuntimeError("the pipeline's lanes are made in `setup_environment` when pipeline_parallel_size > 1")
+        return self._lanes
 
     @property
     def coordinate(self) -> dict[str, int]:
@@ -147,6 +154,10 @@ class ProcessesMixin:
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._mesh = dims.build_mesh(self.root_device.type)
+        self._lanes = None
+        if dims.pp > 1:  # every rank makes every pipeline group's lanes
+            grid = self._mesh.mesh.movedim(AXES.index(PP), -1).reshape(-1, dims.pp).tolist()
+            self._lanes = _collectives.make_lanes(grid, self.pp_group)
         self._peers = _collectives.all_gather_object(_failures.whoami())  # to name a rank that dies
         if self.local_rank == 0:
             _failures.remove_stale_markers()  # of jobs that ended (launched by torchrun, SLURM...)

@@ -145,7 +145,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         check_sizes(dims.pp, len(trunk), self.num_microbatches, self._folds)
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
         self.runtime = HelixRuntime(
-            trunk, [range(len(trunk))], self.stage, ranks, self.pp_group, self.root_device,
+            trunk, [range(len(trunk))], self.stage, ranks, self.pp_lanes, self.root_device,
             folds=self._folds, recompute=self._helix_recompute,
         )  # fmt: skip
         self.runtime.quiet_step = self._quiet

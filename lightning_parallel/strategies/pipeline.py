@@ -221,7 +221,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             self._receive_blocks(trunk, local)
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
         ranks = [self.stage_rank(s) for s in range(dims.pp)]
-        self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_group, self.root_device, stages)
+        self.runtime = PipelineRuntime(trunk, placement, stage, ranks, self.pp_lanes, self.root_device, stages)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
         self._placement = placement
         freed = [b for j, b in enumerate(trunk.blocks) if j not in local]
@@ -325,9 +325,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
         with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
             with self._explain_sharded_use(), self._heads.active():
-                results = runtime.run(
-                    self.schedule[self.stage], [step_of(i, mb) for i, mb in enumerate(micro)], loss_of, weights
-                )
+                results = runtime.run(self.schedule, [step_of(i, mb) for i, mb in enumerate(micro)], loss_of, weights)
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
         return self._finish_step(results, recorder, shares)
 
@@ -337,7 +335,9 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         if self.is_loss_stage:
             losses = torch.stack([results[i][0].double() for i in range(len(shares))])
             weights = torch.tensor(
-                shares if self._loss_reduction == "mean" else [float(s > 0) for s in shares], dtype=torch.float64
+                shares if self._loss_reduction == "mean" else [float(s > 0) for s in shares],
+                dtype=torch.float64,
+                device=losses.device,
             )
             total = (losses * weights).sum().to(results[0][0].dtype).cpu()
             logged = reduce_records(recorder, shares)
