@@ -17,6 +17,11 @@ sequence's size is allocated. A pair with nothing to attend (its slice masks eve
 q chunk's future, or of other documents only) is skipped, forward and backward alike; a pair on the
 diagonal (q and kv the same chunk) never is, so every query gets an output.
 
+Per pair, on CPU torch's fused CPU flash-attention kernel and its backward (it takes a mask and returns the
+log-sum-exp); elsewhere (CUDA) the same two functions written out (:func:`_math_forward`, :func:`_math_backward`:
+scores, log-sum-exp and FlashAttention-2's backward in at least float32, a pair's c x c scores at a time), since
+CUDA's flash kernel takes no mask.
+
 Being one operator (``lightning_parallel::ring_attention``), activation recomputation keeps its output
 instead of running the ring again (``recompute.communication_ops``). ``WORK`` counts the attention scores
 each process computed (a load-balance measurement; a masked pair computes all of its scores, a skipped
@@ -35,6 +40,77 @@ from lightning_parallel import _collectives
 WORK: Counter = Counter()  # group name -> unmasked (query, key) pairs computed by this process, forward only
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _math_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One pair's (output, log-sum-exp), computed in at least float32: softmax(q k^T * scale + mask) v. A row with
+    nothing to attend gets output 0 and log-sum-exp -inf, as the CPU kernel gives."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores + mask.to(wide)
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    return (probs @ v.to(wide)).to(q.dtype), lse
+
+
+def _math_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    mask: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One pair's (dq, dk, dv) given the *final* output and log-sum-exp of its queries (FlashAttention-2's
+    backward, Dao 2023, arXiv 2307.08691, Algorithm 2): P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - D) with
+    D = rowsum(dO * O), dQ = dS K * scale, dK = dS^T Q * scale."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    qw, kw, vw, gw = q.to(wide), k.to(wide), v.to(wide), grad_out.to(wide)
+    scores = (qw @ kw.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores + mask.to(wide)
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = lse.to(wide)
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    delta = (gw * out.to(wide)).sum(-1, keepdim=True)
+    dscores = probs * (gw @ vw.transpose(-2, -1) - delta)
+    dq, dk, dv = (dscores @ kw) * scale, (dscores.transpose(-2, -1) @ qw) * scale, probs.transpose(-2, -1) @ gw
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _pair_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    if q.device.type == "cpu":
+        return _flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return _math_forward(q, k, v, causal, mask, scale)
+
+
+def _pair_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    mask: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cpu":
+        return _flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return _math_backward(grad_out, q, k, v, out, lse, causal, mask, scale)
 
 
 def _pairs(rank: int, source: int, chunks: list[int], causal: bool) -> list[tuple[int, int, bool]]:
@@ -94,7 +170,7 @@ def ring_attention(
         ks, vs = k.chunk(2, dim=2), v.chunk(2, dim=2)
         source = (rank - step) % sp
         for i, j, diagonal, pair_mask in _computed(mask, rank, source, chunks, causal, c, q.dtype):
-            o, lse = _flash(qs[i], ks[j], vs[j], 0.0, diagonal, attn_mask=pair_mask, scale=scale)
+            o, lse = _pair_forward(qs[i], ks[j], vs[j], diagonal, pair_mask, scale)
             WORK[group_name] += c * (c + 1) / 2 if diagonal else c * c
             if outs[i] is None:
                 outs[i], lses[i] = o, lse
@@ -104,7 +180,7 @@ def ring_attention(
                 lses[i] = total
         if step < sp - 1:
             k, v = _collectives.ring_shift(k, group), _collectives.ring_shift(v, group)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # type: ignore[arg-type]
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)  # type: ignore[arg-type]  # merged wide
 
 
 @ring_attention.register_fake
@@ -142,10 +218,9 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyp
         for i, j, diagonal, pair_mask in _computed(
             ctx.mask, rank, source, ctx.chunks, ctx.causal, qs[0].shape[2], q.dtype
         ):
-            gq, gk, gv = _flash_backward(
-                gos[i].contiguous(), qs[i], ks[j], vs[j], os_[i], ls[i], 0.0, diagonal, attn_mask=pair_mask,
-                scale=ctx.scale,
-            )  # fmt: skip
+            gq, gk, gv = _pair_backward(
+                gos[i].contiguous(), qs[i], ks[j], vs[j], os_[i], ls[i], diagonal, pair_mask, ctx.scale
+            )
             dq[i] += gq
             dks[j].add_(gk)
             dvs[j].add_(gv)

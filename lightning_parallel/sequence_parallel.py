@@ -224,11 +224,6 @@ def attend(
 
 
 def _ring(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, chunks: tuple[int, ...], group: Any) -> Tensor:
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            f"sequence_parallel_mode='ring' runs torch's CPU flash-attention kernel per chunk pair; on"
-            f" {q.device.type} use sequence_parallel_mode='ulysses' (a CUDA ring kernel is not written yet)"
-        )
     if call.dropout:
         raise ValueError(
             f"sequence_parallel_mode='ring' does not run attention dropout; the block uses dropout={call.dropout}:"
