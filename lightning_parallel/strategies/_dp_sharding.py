@@ -30,6 +30,7 @@ from lightning_parallel.strategies._logging import (
     snapshot_metrics,
 )
 from lightning_parallel.strategies._optimizers import replace_parameters
+from lightning_parallel.strategies._overlap import GradientBuckets, overlappable
 from lightning_parallel.tensor_parallel import local
 from lightning_parallel.trunk import Trunk, discover_trunk
 
@@ -40,6 +41,7 @@ class DataParallelShardingMixin:
 
     # the strategy's (annotations only: nothing here shadows its properties)
     _dp_sharding: str
+    _buckets: Optional[GradientBuckets]
     _fsdp_root: list[torch.nn.Module]
     _shards: dict[int, _sharding.ShardedOptimizer]
     _reduced: dict[int, dict[int, Any]]
@@ -68,7 +70,28 @@ class DataParallelShardingMixin:
                     p.grad = torch.zeros_like(p)
             _collectives.all_reduce_mean_([local(p.grad) for p, u in zip(whole, used) if u], group)
         else:
-            _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
+            buckets = self._gradient_buckets(optimizer)
+            if buckets is not None:
+                buckets.finish()  # issued during the backward, bucket by bucket
+            else:
+                _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
+
+    def _gradient_buckets(self, optimizer: Optimizer) -> Optional[GradientBuckets]:
+        """This step's buckets (``_overlap``) when the layout is plain data parallelism and ``optimizer`` holds
+        every trainable parameter; ``None``: average at once. Made at the first step's average (the parameters
+        are final by then, deferred blocks included), so buckets serve from the second backward on."""
+        if not overlappable(self):
+            return None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        trainable = {id(p) for p in self.lightning_module.parameters() if p.requires_grad}
+        if {id(p) for p in params if p.requires_grad} != trainable:
+            return None  # one of several optimizers
+        if self._buckets is not None and self._buckets.covers(params):
+            return self._buckets
+        if self._buckets is not None:
+            self._buckets.remove()
+        self._buckets = GradientBuckets(params, self.dp_group, self._bucket_cap_mb)
+        return None
 
     def _fully_shard_deferred(
         self, lm: LightningModule, freed: list[torch.nn.Module], trunk: Optional[Trunk], seed: int

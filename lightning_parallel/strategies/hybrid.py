@@ -47,6 +47,7 @@ from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies import _failures, _sharding
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
+from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
 from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
@@ -137,6 +138,9 @@ class HybridParallelStrategy(
             each module's ``reset_parameters()`` (:mod:`lightning_parallel.materialize`); weights loaded there are
             refused (load them with :func:`lightning_parallel.load_pretrained` or ``ckpt_path=``). ``False``: it
             runs as on one device (every rank builds the whole model first).
+        bucket_cap_mb: plain data parallelism averages the gradients in buckets of at most this many MiB, each
+            issued as soon as the backward has produced it (overlapped with the rest of the backward, as DDP's
+            buckets; :mod:`lightning_parallel.strategies._overlap`); 0: one average after the backward.
     """
 
     strategy_name = "hybrid"
@@ -171,6 +175,7 @@ class HybridParallelStrategy(
         save_distributed_checkpoint: bool = True,
         loss_chunks: int = 1,
         configure_model_on_meta: bool = True,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -204,6 +209,10 @@ class HybridParallelStrategy(
                 " combined with tp_sequence_parallel=True (which splits it between the tensor-parallel regions)"
             )
         recompute_lib.validate(recompute, recompute_every_n, mlp_chunks, recompute_offload)
+        if bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb}; give a size in MiB, or 0 to average after the backward")
+        self._bucket_cap_mb = bucket_cap_mb
+        self._buckets: Optional[GradientBuckets] = None
         self._save_distributed = save_distributed_checkpoint
         self._vocabulary_parallel = vocabulary_parallel
         check_sharding(data_parallel_sharding)
@@ -248,6 +257,7 @@ class HybridParallelStrategy(
         self._num_nodes = 1
         self._dims: Optional[ParallelDims] = None
         self._mesh: Optional[DeviceMesh] = None
+        self._lanes: Optional[_collectives.Lanes] = None
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -397,8 +407,15 @@ class HybridParallelStrategy(
 
     @contextmanager
     def block_backward_sync(self) -> Any:
-        # gradients are synchronised once per optimizer step, never during backward
-        yield None
+        # an accumulation step: gradients are averaged once per optimizer step (no bucket goes during it)
+        buckets = self._buckets
+        if buckets is not None:
+            buckets.accumulating = True
+        try:
+            yield None
+        finally:
+            if buckets is not None:
+                buckets.accumulating = False
 
     @override
     def teardown(self) -> None:
@@ -407,7 +424,7 @@ class HybridParallelStrategy(
         lm = self.lightning_module
         if lm is not None:
             lm.cpu = lambda: materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
-        self._mesh = None
+        self._mesh, self._lanes = None, None
         try:
             super().teardown()
         finally:
