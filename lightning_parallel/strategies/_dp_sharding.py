@@ -63,18 +63,19 @@ class DataParallelShardingMixin:
         if self._sharded:
             self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
         elif self._fully_sharded:
-            whole = [p for g in optimizer.param_groups for p in g["params"] if not is_fully_sharded(p)]
-            used = _collectives.any_over_group([p.grad is not None for p in whole], group)
-            for p, u in zip(whole, used):
-                if u and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            _collectives.all_reduce_mean_([local(p.grad) for p, u in zip(whole, used) if u], group)
+            _average_whole([p for g in optimizer.param_groups for p in g["params"] if not is_fully_sharded(p)], group)
         else:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
             buckets = self._gradient_buckets(optimizer)
-            if buckets is not None:
-                buckets.finish()  # issued during the backward, bucket by bucket
+            if buckets is not None:  # issued during the backward, bucket by bucket
+                buckets.finish(lambda: _average_whole(params, group))
             else:
-                _collectives.all_reduce_mean_(self._local_gradients(optimizer), group)
+                _average_whole(params, group)
+
+    def _prepare_buckets(self, loss: torch.Tensor) -> None:
+        """Before the step's backward: the buckets learn which parameters its graph reaches."""
+        if self._buckets is not None and overlappable(self):
+            self._buckets.prepare(loss)
 
     def _gradient_buckets(self, optimizer: Optimizer) -> Optional[GradientBuckets]:
         """This step's buckets (``_overlap``) when the layout is plain data parallelism and ``optimizer`` holds
@@ -279,3 +280,14 @@ class DataParallelShardingMixin:
             return super().optimizer_state(optimizer)
         finally:
             inner.state = chunks
+
+
+def _average_whole(params: list[torch.nn.Parameter], group: Any) -> None:
+    """The dp mean of the gradients of ``params`` in one all-reduce after the backward. Which of them any replica
+    has a gradient for is agreed first (a replica without one adds zeros), so every rank reduces the same
+    tensors; one that no replica has stays ``None``."""
+    used = _collectives.any_over_group([p.grad is not None for p in params], group)
+    for p, u in zip(params, used):
+        if u and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _collectives.all_reduce_mean_([local(p.grad) for p, u in zip(params, used) if u], group)

@@ -74,9 +74,6 @@ class TensorParallelMixin:
                 if p.grad is not None:
                     local(p.grad).clamp_(min=-clip_val, max=clip_val)
 
-    def _local_gradients(self, optimizer: Optimizer) -> list[Tensor]:
-        return [local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-
     def grad_norm(self, norm_type: Union[float, str] = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
         """Lightning's ``grad_norm(module, norm_type)`` for the whole model, not this rank's part: each
         parameter's gradient norm under its original name (tensor-parallel shards combined, the other

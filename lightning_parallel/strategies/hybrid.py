@@ -405,6 +405,11 @@ class HybridParallelStrategy(
             return obj
         return _collectives.broadcast_object(obj, src, None)
 
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        self._prepare_buckets(closure_loss)
+
     @contextmanager
     def block_backward_sync(self) -> Any:
         # an accumulation step: gradients are averaged once per optimizer step (no bucket goes during it)

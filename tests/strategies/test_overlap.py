@@ -22,26 +22,72 @@ def test_buckets_with_accumulation_and_clipping():
                   data_parallel_size=2, steps=2, accumulate_grad_batches=2, gradient_clip_val=0.05)  # fmt: skip
 
 
-def _issued(rank: int, world: int, cap: float, unused: bool) -> tuple[int, int, list[float]]:
+def _issued(rank: int, world: int, cap: float, extra: str) -> tuple[int, int, list[float], object]:
     torch.set_default_dtype(torch.float64)
     module, data = build("gpt", 4, "sgd")
-    if unused:  # a parameter in the middle of the model that no step reaches: its bucket never completes during
-        # the backward, so every bucket after it waits for the optimizer step
-        module.transformer.h[3].register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+    if extra != "none":  # a parameter in the middle of the model (its bucket is neither first nor last)
+        module.transformer.h[3].register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
+    if extra == "rank0":  # reached by rank 0's graph only (as an expert only one replica's tokens chose)
+        step = module.training_step
+
+        def training_step(batch, batch_idx):  # type: ignore[no-untyped-def]
+            loss = step(batch, batch_idx)
+            return loss + 1e-3 * module.transformer.h[3].extra.sum() if rank == 0 else loss
+
+        module.training_step = training_step  # type: ignore[method-assign]
     strategy = HybridParallelStrategy(data_parallel_size=2, bucket_cap_mb=cap)
     quick_fit(module, data, strategy, world, steps=3, use_distributed_sampler=False)
     buckets = strategy._buckets
     params = [p.detach().sum().item() for p in module.parameters()]
-    return buckets.issued_in_backward, len(buckets.buckets), params
+    last = getattr(module.transformer.h[3], "extra", None)
+    return buckets.issued_in_backward, len(buckets.buckets), params, None if last is None else last.detach().clone()
 
 
 def test_buckets_are_issued_during_the_backward():
-    (issued, n, params0), (issued1, _, params1) = run_distributed(_issued, 2, 1e-4, False, init_process_group=False)
+    (issued, n, params0, _), (issued1, _, params1, _) = run_distributed(
+        _issued, 2, 1e-4, "none", init_process_group=False
+    )
     assert n > 10 and issued == issued1 == 2 * n  # steps 2 and 3 (buckets are made at the first step's average)
     assert params0 == params1  # the replicas stayed equal
 
 
-def test_a_parameter_the_backward_never_reaches_holds_the_later_buckets_back():
-    (issued, n, params0), (_, _, params1) = run_distributed(_issued, 2, 1e-4, True, init_process_group=False)
-    assert 0 < issued < 2 * n  # the buckets before the unused parameter's went during the backward
+def test_a_parameter_no_replica_reaches_keeps_no_gradient_and_holds_nothing_back():
+    (issued, n, params0, extra), (_, _, params1, _) = run_distributed(
+        _issued, 2, 1e-4, "unused", init_process_group=False
+    )
+    assert issued == 2 * n  # counted ready before the backward: no bucket waited for the optimizer step
     assert params0 == params1
+    assert torch.equal(extra, torch.ones(3))  # no gradient, as on one device (SGD would not move it anyway)
+
+
+def test_a_parameter_one_replica_reaches_gets_the_mean_with_the_others_zeros():
+    (issued, n, params0, extra0), (_, _, params1, extra1) = run_distributed(
+        _issued, 2, 1e-4, "rank0", init_process_group=False
+    )
+    assert issued == 2 * n and params0 == params1
+    # three steps of SGD (lr 0.05, momentum 0.9: 1 + 1.9 + 2.71 gradients) of the mean (1e-3 + 0) / 2 per element
+    want = torch.full((3,), 1 - (1 + 1.9 + 2.71) * 0.05 * 5e-4, dtype=torch.float64)
+    torch.testing.assert_close(extra0, want, rtol=0, atol=1e-15)
+    assert torch.equal(extra0, extra1)
+
+
+def _reentrant(rank: int, world: int, cap: float) -> tuple[bool | None, list[torch.Tensor]]:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.set_default_dtype(torch.float64)
+    module, data = build("gpt", 4, "sgd")
+    block = module.transformer.h[2]
+    forward = block.forward
+    block.forward = lambda x: checkpoint(forward, x, use_reentrant=True)  # hides the block's parameters
+    strategy = HybridParallelStrategy(data_parallel_size=2, bucket_cap_mb=cap)
+    quick_fit(module, data, strategy, world, steps=3, use_distributed_sampler=False)
+    enabled = strategy._buckets.enabled if strategy._buckets is not None else None
+    return enabled, [p.detach().clone() for p in module.parameters()]
+
+
+def test_a_reentrant_checkpoint_spoils_the_buckets_and_the_step_is_averaged_again():
+    (enabled, params), (_, params1) = run_distributed(_reentrant, 2, 1e-4, init_process_group=False)
+    (_, want), _ = run_distributed(_reentrant, 2, 0.0, init_process_group=False)
+    assert enabled is False  # turned off at the second step, said once
+    for a, b, c in zip(params, params1, want):
+        assert torch.equal(a, b) and torch.equal(a, c)
