@@ -63,10 +63,14 @@ def attention_ops() -> set[Any]:
     ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
-    flash = getattr(torch.ops, "flash_attn", None)  # registered by the flash-attn package on CUDA
-    for name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
-        if flash is not None and hasattr(flash, name):
-            ops.add(getattr(flash, name).default)
+    # registered by the flash-attn packages on CUDA: flash-attn 2 ("flash_attn") and flash-attn 3, Hopper's
+    # ("flash_attn_3"; its interface calls ``torch.ops.flash_attn_3.fwd`` or the ``_flash_attn_forward`` op); an op
+    # that is not there is skipped, so this reads what is installed
+    for namespace in ("flash_attn", "flash_attn_3"):
+        flash = getattr(torch.ops, namespace, None)
+        for name in ("_flash_attn_forward", "_flash_attn_varlen_forward", "fwd"):
+            if flash is not None and hasattr(flash, name) and hasattr(getattr(flash, name), "default"):
+                ops.add(getattr(flash, name).default)
     import lightning_parallel.ring_attention  # noqa: F401  (registers lightning_parallel::ring_attention)
 
     return ops | {torch.ops.lightning_parallel.ring_attention.default}  # sequence parallelism's ring mode
