@@ -67,7 +67,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--caps", default="25,0")
     args = parser.parse_args()
-    params = None
     rows = {}
     for cap in [float(c) for c in args.caps.split(",")]:
         results = run_distributed(_rank, 2, cap, args.dim, args.layers, args.steps, timeout=900,
@@ -75,15 +74,18 @@ def main() -> None:
         step = max(sum(r[0][2:]) / len(r[0][2:]) for r in results)
         sync = max(sum(r[1][2:]) / len(r[1][2:]) for r in results)
         rows[cap] = (step, sync)
-        print(f"bucket_cap_mb={cap:g}: step {step * 1e3:.1f} ms, dp average at the optimizer step {sync * 1e3:.1f} ms",
-              flush=True)
+        print(
+            f"bucket_cap_mb={cap:g}: step {step * 1e3:.1f} ms, dp average at the optimizer step {sync * 1e3:.1f} ms",
+            flush=True,
+        )
     if 0.0 in rows and len(rows) > 1:
         plain_step, plain_sync = rows[0.0]
         for cap, (step, sync) in rows.items():
             if cap:
-                print(f"bucket_cap_mb={cap:g} against 0: step {plain_step / step:.2f}x faster; "
-                      f"{100 * (1 - sync / plain_sync):.0f} % of the average's time hidden behind the backward")
-    del params
+                print(
+                    f"bucket_cap_mb={cap:g} against 0: step {plain_step / step:.2f}x faster; "
+                    f"{100 * (1 - sync / plain_sync):.0f} % of the average's time hidden behind the backward"
+                )
 
 
 if __name__ == "__main__":

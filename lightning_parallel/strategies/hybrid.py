@@ -47,10 +47,10 @@ from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies import _failures, _sharding
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
-from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
 from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
+from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
 from lightning_parallel.strategies._pending import PendingBlocksMixin
 from lightning_parallel.strategies._processes import ProcessesMixin
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
