@@ -9,7 +9,8 @@ it, and only then commits it to the block (shards its parameters, replaces them 
 The stack, innermost first:
 
 1. **tensor parallelism**: parameters sharded per the anatomy's plan, and the forward that runs on
-   the shards (the block's own, a hand-written split forward, or the traced graph localised);
+   the shards (the block's own, a hand-written split forward, or the traced graph localised); dropout on
+   its sharded activations draws from this tp rank's stream (:mod:`lightning_parallel.rng`);
 2. **chunked MLP**: inside that forward (the MLP over sequence slices);
 3. **sequence parallelism**: the block's tokens scattered on entry and gathered on exit, its
    sequence-carrying arguments sliced, its attention core distributed (Ulysses or ring); or, inside
@@ -36,6 +37,7 @@ from lightning_parallel.anatomy import resolve
 from lightning_parallel.anatomy.verify import single_process_gradients
 from lightning_parallel.block_protocol import ConfigurationError, OwnForward
 from lightning_parallel.recompute import Policy, Recomputed, resolve_op, validate
+from lightning_parallel.rng import tensor_parallel_rng
 from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, shard_dropout
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
@@ -141,10 +143,27 @@ class _TokenShard:
                 f" tensor_parallel_size ({tp}); pad the batch or turn tp_sequence_parallel off"
             )
         shard = SequenceShard.of(self.mesh, "ulysses", T, x.device)
-        out = self.inner(block, shard.scatter(x, 1), args, kwargs, None)
+        with shard_dropout(block, self.mesh, x.device):  # all of it sharded (tokens, heads): this rank's masks
+            out = self.inner(block, shard.scatter(x, 1), args, kwargs, None)
         return _map_first(out, lambda y: shard.gather(y, 1))
 
     def __deepcopy__(self, memo: dict) -> _TokenShard:
+        return self
+
+
+class _TensorParallelRNG:
+    """Inside step 1: the block's call is a scope of :func:`lightning_parallel.rng.tensor_parallel_rng`, so that
+    dropout on sharded activations (attention heads, the MLP's hidden layer) draws from this tp rank's stream
+    and dropout on replicated ones from the default generator, the same on every tp rank."""
+
+    def __init__(self, inner: Forward, mesh: DeviceMesh) -> None:
+        self.inner, self.mesh = inner, mesh
+
+    def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
+        with tensor_parallel_rng(block, self.mesh, x.device):
+            return self.inner(block, x, args, kwargs, shard)
+
+    def __deepcopy__(self, memo: dict) -> _TensorParallelRNG:
         return self
 
 
@@ -193,6 +212,8 @@ def compose(block: nn.Module, index: int, anatomy: Any, config: BlockConfig, lay
         inner: Forward = OwnForward()
     else:  # steps 1 and 2, in the anatomy's own way
         inner = anatomy.local_forward(block, config, layouts.tp, prefix)
+        if config.tp > 1 and not config.tp_sequence_parallel:  # (Megatron's sequence parallelism: _TokenShard)
+            inner = _TensorParallelRNG(inner, config.tp_mesh)
     if config.sp > 1:
         heads = anatomy.heads(block)
         check_heads(*heads, config.sp, config.sp_mode, type(block).__name__, config.tp)

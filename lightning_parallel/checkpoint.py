@@ -9,7 +9,9 @@ differ per stage and per layout). A parameter held by several ranks (replicated 
 parallel copies) carries the same key everywhere and DCP writes it once. Global rank 0 adds
 ``lightning.pt`` with the rest of Lightning's checkpoint (loops, callbacks, LR schedulers, hyper-
 parameters), each optimizer group's hyper-parameters and the full, ordered parameter names of every
-group (``group_names``) so that the positional form a plain checkpoint needs can be rebuilt.
+group (``group_names``) so that the positional form a plain checkpoint needs can be rebuilt. Each rank
+also writes its default generators' states (``lp_rng.<global rank>``, :mod:`lightning_parallel.rng`): the
+dropout masks of the steps after a resume are those of the uninterrupted run.
 
 Saving is atomic: every rank writes into ``<path>.partial``; only after all ranks finished (DCP
 gathers every rank's write result and raises on all of them if one failed) does rank 0 move the
@@ -40,6 +42,9 @@ from lightning_parallel.flat_chunks import ChunkSavePlanner
 META_FILE = "lightning.pt"
 FORMAT = "lightning_parallel.checkpoint/1"
 _OURS = ("lp_format", "lp_group_names", "lp_group_hparams")
+#: each rank's default generator states, ``{"<global rank>": {"cpu": ..., "cuda": ...}}`` (lightning_parallel.rng),
+#: with ``lp_rng_world_size`` beside them: restored on resume under the same number of processes
+RNG = "lp_rng"
 
 
 class CheckpointError(ValueError):
@@ -133,10 +138,12 @@ def save_sharded(
     tensors = {"state_dict": checkpoint["state_dict"]}
     for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = opt_state["state"]
+    if RNG in checkpoint:  # this rank's generator states under its global rank (each rank writes its own)
+        tensors[RNG] = checkpoint[RNG]
     # raises on every rank if any rank's writer failed; the planner writes optimizer-state chunks (FlatChunk)
     dcp.save(tensors, checkpoint_id=partial, planner=ChunkSavePlanner())
     if is_global_zero:
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", RNG)}
         rest["lp_format"] = FORMAT
         rest["lp_group_names"] = names
         rest["lp_group_hparams"] = [
@@ -190,11 +197,14 @@ def load_sharded(
         held = list(held)
         groups = len(meta["lp_group_hparams"])
         keys = {f"state_dict.{n}" for n in held} | {f"optimizer_{i}.{n}" for i in range(groups) for n in held}
+        keys.add(RNG)  # every rank's generator states (a few KiB each); each rank restores its own
     tensors = _read_all(path, keys)
     checkpoint = {k: v for k, v in meta.items() if k not in ("lp_group_hparams",)}
     if held is not None:
         checkpoint["lp_state_keys"] = _model_keys(path)
     checkpoint["state_dict"] = tensors.get("state_dict", {})
+    if RNG in tensors:
+        checkpoint[RNG] = tensors[RNG]
     checkpoint["optimizer_states"] = [
         {
             "state": tensors.get(f"optimizer_{i}", {}),

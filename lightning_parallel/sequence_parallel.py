@@ -40,6 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_parallel import _collectives
 from lightning_parallel.block_protocol import AttentionCall, ConfigurationError
 from lightning_parallel.ring_attention import ring_attention
+from lightning_parallel.rng import forked
+from lightning_parallel.rng import has_dropout as _has_dropout
 
 MODES = ("ulysses", "ring")
 
@@ -185,9 +187,7 @@ def shard_dropout(block: nn.Module, mesh: DeviceMesh, device: torch.device) -> I
     if not (block.training and has_dropout(block)):
         yield
         return
-    seed = int(torch.randint(0, 2**62, (1,)))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed + mesh.get_local_rank())
+    with forked(mesh.get_local_rank(), device):  # lightning_parallel.rng: the CPU and the device's generator
         yield
 
 
@@ -285,6 +285,6 @@ def _sequence_to_heads(t: Tensor, sp: int, group: Any) -> Tensor:
 
 
 def has_dropout(block: nn.Module) -> bool:
-    """Whether any dropout in ``block`` is active (then sequence shards need their own masks)."""
-    attn_p = [getattr(m, "dropout", 0.0) for m in block.modules() if isinstance(getattr(m, "dropout", None), float)]
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules()) or any(p > 0 for p in attn_p)
+    """Whether any dropout in ``block`` is active (then sequence shards need their own masks):
+    :func:`lightning_parallel.rng.has_dropout`."""
+    return _has_dropout(block)

@@ -165,7 +165,9 @@ def shard_modules(
     """Shard ``block`` (whose full parameter names start with ``prefix``) over the 1-D ``mesh`` by module
     styles: ``parallelize_module``'s ``ColwiseParallel`` / ``RowwiseParallel`` on ``nn.Linear`` (and the
     ``Conv1D`` subclasses), bare fused parameters distributed directly. Records permutations and the
-    replicated parameters whose gradients are partial in ``layout``."""
+    replicated parameters whose gradients are partial in ``layout``. The column-parallel modules enter, the
+    row-parallel ones leave this rank's dropout stream (:mod:`lightning_parallel.rng`, forward hooks)."""
+    enters, leaves = [], []
     for name, style in plan.items():
         if style not in _ALL_STYLES:
             raise ValueError(f"tensor-parallel style {style!r} of {name!r} is not supported; known: {_ALL_STYLES}")
@@ -182,6 +184,8 @@ def shard_modules(
             ):
                 layout.permuted[f"{prefix}{pname}"] = (dim, perm)
         rowwise = style in ("rowwise", "rowwise_replicated_input")
+        if rowwise or style != "colwise_replicated_output":
+            (leaves if rowwise else enters).append(target)
         if isinstance(target, nn.Parameter):
             _distribute_parameters(block, name, mesh, rowwise)
             continue
@@ -198,8 +202,26 @@ def shard_modules(
             parallel = (RowwiseParallel if rowwise else ColwiseParallel)(**layouts)
             parallel.src_data_rank = None  # every rank holds the same full weights: slice locally
             parallelize_module(target, mesh, parallel)
+    _dropout_regions(enters, leaves)
     if sequence_parallel:
         layout.partial += [p for p in block.parameters() if not isinstance(p.data, DTensor)]
+
+
+def _dropout_regions(enters: list[Any], leaves: list[Any]) -> None:
+    """Between a column-parallel module's output and a row-parallel module's input the activations are
+    sharded: dropout there draws from this rank's stream (:mod:`lightning_parallel.rng`; a no-op outside the
+    block layer's scope). Only where every row-parallel target is a module, whose hook ends the region before
+    its reduction (a bare row-parallel parameter could leave it open over replicated activations); an attention
+    core behind a bare column-parallel parameter enters by itself (:func:`lightning_parallel.rng.sharded`)."""
+    from lightning_parallel import rng
+
+    if any(not isinstance(t, nn.Module) for t in leaves):
+        return
+    for module in leaves:
+        module.register_forward_pre_hook(rng.leave_sharded)
+    for module in enters:
+        if isinstance(module, nn.Module):
+            module.register_forward_hook(rng.enter_sharded)
 
 
 def _target(block: nn.Module, name: str) -> nn.Module | nn.Parameter:
@@ -275,9 +297,12 @@ class _LocalCompute:
         group = self.mesh.get_group()
         # every floating input's gradient (the hidden state, the routing weights) is summed over the ranks
         args = tuple(_collectives.copy_to_group(a, group) if _floating(a) else a for a in args)
-        out = torch.func.functional_call(
-            _ClassForward(self.module), params, args, kwargs, strict=False, tie_weights=False
-        )
+        from lightning_parallel.rng import sharded
+
+        with sharded():  # the experts' inner widths are sharded: their dropout draws from this rank's stream
+            out = torch.func.functional_call(
+                _ClassForward(self.module), params, args, kwargs, strict=False, tie_weights=False
+            )
         return _collectives.reduce_from_group(out, group)
 
 

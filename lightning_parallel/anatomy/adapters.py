@@ -77,11 +77,16 @@ def matching_adapters(block: nn.Module) -> list[BlockAdapter]:
 
 def attention_of(adapter: BlockAdapter, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple,
                  kwargs: dict) -> Tensor:  # fmt: skip
-    """The adapter's attention core: SDPA with the call's parameters, unless the adapter has its own."""
+    """The adapter's attention core: SDPA with the call's parameters, unless the adapter has its own. Under
+    tensor parallelism its heads are sharded: its dropout draws from this rank's stream
+    (:mod:`lightning_parallel.rng`)."""
+    from lightning_parallel.rng import sharded
+
     own = getattr(adapter, "attention", None)
-    if own is not None:
-        return own(block, q, k, v, args, kwargs)
-    return sdpa(q, k, v, adapter.attention_call(block, args, kwargs))
+    with sharded():
+        if own is not None:
+            return own(block, q, k, v, args, kwargs)
+        return sdpa(q, k, v, adapter.attention_call(block, args, kwargs))
 
 
 def pre_parameters(adapter: BlockAdapter, block: nn.Module) -> frozenset[str]:

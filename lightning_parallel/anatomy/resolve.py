@@ -153,11 +153,14 @@ def verified_split(
     copies, the verdict agreed over the tp and sp groups; then ``block`` itself is sharded (its parameters
     replaced: the caller hands the new ones to the optimizers). ``prefix``: the block's parameters' full names
     start with it (the checkpoint's names of permuted fused projections)."""
+    from lightning_parallel.rng import tensor_parallel_split as tensor_parallel_rng_split
     from lightning_parallel.sequence_parallel import SequenceParallelLayout, SplitOverSequence, check_heads
     from lightning_parallel.tensor_parallel import TensorParallelLayout
 
     def compose(anatomy: Any, target: nn.Module, tp: Any, sp: Any, names: str) -> Any:
         split = anatomy.helix_split(target, config, tp, names)
+        if config.tp > 1:
+            split = tensor_parallel_rng_split(split, config.tp_mesh)
         if config.sp == 1:
             return split
         check_heads(*anatomy.heads(target), config.sp, config.sp_mode, type(target).__name__, config.tp)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from lightning_parallel import _collectives
+from lightning_parallel import _collectives, rng
 from lightning_parallel import checkpoint as _checkpoint
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
@@ -78,6 +78,11 @@ class StateMixin:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} saves DCP directories; storage_options are not supported")
         names = getattr(self, "_group_names", [])
+        checkpoint = {  # each rank's generators (dropout masks after a resume): written by that rank
+            **checkpoint,
+            _checkpoint.RNG: {str(self.global_rank): rng.states(self.root_device)},  # type: ignore[attr-defined]
+            "lp_rng_world_size": _collectives.world_size(),
+        }
         if getattr(self, "_save_distributed", True):
             _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)  # type: ignore[attr-defined]
             return
@@ -144,6 +149,15 @@ class StateMixin:
             else:
                 plain[name] = value
         lm.load_state_dict(plain, strict=False)
+        self._restore_rng(checkpoint)
+
+    def _restore_rng(self, checkpoint: Mapping[str, Any]) -> None:
+        """This rank's default generators as they were at the save (:mod:`lightning_parallel.rng`), under the same
+        number of processes only (another layout draws other numbers whatever the state)."""
+        saved = checkpoint.get(_checkpoint.RNG) or {}
+        mine = saved.get(str(self.global_rank))  # type: ignore[attr-defined]
+        if mine is not None and checkpoint.get("lp_rng_world_size") == _collectives.world_size():
+            rng.restore(mine, self.root_device)  # type: ignore[attr-defined]
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Optimizer state by parameter name onto the parameters each rank's optimizer holds; a plain

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_parallel import _collectives
+from lightning_parallel import _collectives, rng
 from lightning_parallel.anatomy.traced.analysis import attention_nodes
 from lightning_parallel.anatomy.traced.labels import (
     _MOVE,
@@ -257,9 +257,11 @@ def localise(program: Program, mesh: Any, plan: Plan | None = None) -> Program:
 
 def _localise(program: Program, plan: Plan, tp: int, group: Any) -> Program:
     def copy_in(t: Tensor) -> Tensor:  # Megatron's f: identity forward, all-reduce backward
+        rng.enter_sharded()  # what follows up to g is sharded: dropout draws from this rank's stream
         return _collectives.copy_to_group(t, group)
 
     def reduce_out(t: Tensor) -> Tensor:  # Megatron's g: all-reduce forward, identity backward
+        rng.leave_sharded()  # replicated from here: the default generator, the same on every rank
         return _collectives.reduce_from_group(t, group)
 
     copied: dict[fx.Node, fx.Node] = {}
