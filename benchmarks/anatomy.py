@@ -48,6 +48,15 @@ from lightning_parallel.trunk import discover_trunk  # noqa: E402
 
 TRACED = ("traced",)
 
+def _lanes() -> object:
+    """The two ranks' point-to-point lanes (``_collectives.Lanes``; both ranks make them in the same order)."""
+    import torch.distributed as dist
+
+    from lightning_parallel import _collectives
+
+    return _collectives.make_lanes([[0, 1]], dist.group.WORLD)
+
+
 
 class Composed:
     """The example GPT with every block composed under ``config`` (tensor or sequence parallelism)."""
@@ -80,10 +89,10 @@ class Helix:
             splits.append(anatomy.helix_split(block, config))
         for i, (block, split) in enumerate(zip(trunk.blocks, splits)):
             place_block(i, block, split, rank, 2)
-        self.runtime = HelixRuntime(trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"), folds=2,
+        self.runtime = HelixRuntime(trunk, [range(len(trunk))], rank, [0, 1], _lanes(), torch.device("cpu"), folds=2,
                                     recompute=True)  # fmt: skip
         self.runtime.splits = splits
-        self.actions = helix(2, len(trunk), m, 2)[rank]
+        self.actions = helix(2, len(trunk), m, 2)  # every stage's: the messages' order
         xs, ys = batch(seq_len, m)
         self.micro = [(xs[i : i + 1], ys[i : i + 1]) for i in range(m)]
         self.opt = torch.optim.SGD([p for p in self.model.parameters() if not p.is_meta], lr=1e-3)

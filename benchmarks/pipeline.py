@@ -71,6 +71,15 @@ from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_byte
 
 VOCAB, H, LAYERS, HEADS = 65, 128, 8, 4
 
+def _lanes() -> object:
+    """The two ranks' point-to-point lanes (``_collectives.Lanes``; both ranks make them in the same order)."""
+    import torch.distributed as dist
+
+    from lightning_parallel import _collectives
+
+    return _collectives.make_lanes([[0, 1]], dist.group.WORLD)
+
+
 
 def make_model(seq_len: int) -> GPT:
     torch.manual_seed(0)
@@ -111,9 +120,9 @@ class Ours:
         placement, stages = place_blocks(len(trunk), 2 * v), chunk_stages(2, v, placement_style(schedule))
         local = {j for c in range(2 * v) if stages[c] == rank for j in placement[c]}
         free_blocks([b for j, b in enumerate(trunk.blocks) if j not in local])
-        self.runtime = PipelineRuntime(trunk, placement, rank, [0, 1], None, torch.device("cpu"), stages)
+        self.runtime = PipelineRuntime(trunk, placement, rank, [0, 1], _lanes(), torch.device("cpu"), stages)
         self.schedule, self.v = schedule, v
-        self.actions = build_schedule(schedule, 2, m, v)[rank]
+        self.actions = build_schedule(schedule, 2, m, v)  # every stage's: the messages' order
         x, y = batch(seq_len, m)
         self.micro = [(x[i : i + 1], y[i : i + 1]) for i in range(m)]
         self.params = [p for p in self.model.parameters() if p.device.type != "meta"]
@@ -140,10 +149,10 @@ class OursHelix(Ours):
         folds = folds or (2 if m % 4 == 0 else 1)
         self.folds = folds
         self.runtime = HelixRuntime(
-            trunk, [range(len(trunk))], rank, [0, 1], None, torch.device("cpu"), folds=folds, recompute=recompute
+            trunk, [range(len(trunk))], rank, [0, 1], _lanes(), torch.device("cpu"), folds=folds, recompute=recompute
         )
         self.runtime.splits = splits
-        self.actions = helix(2, len(trunk), m, folds)[rank]
+        self.actions = helix(2, len(trunk), m, folds)  # every stage's: the messages' order
         x, y = batch(seq_len, m)
         self.micro = [(x[i : i + 1], y[i : i + 1]) for i in range(m)]
         self.params = [p for p in self.model.parameters() if p.device.type != "meta"]

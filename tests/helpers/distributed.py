@@ -10,6 +10,10 @@ about a second); the parent kills the remaining ranks as soon as the first failu
 re-raises that rank's traceback. A run that outlives ``timeout`` is killed and reported with the ranks
 still running. Successful ranks destroy their process group before ``os._exit(0)`` (gloo's destructor
 can deadlock at interpreter exit).
+
+NCCL's rules, on gloo: ``run_distributed(..., comm_check=True)`` (or ``LP_COMM_CHECK=1`` in the environment, for
+every launch) records each rank's communication (``tests/helpers/comm_check.py``) and raises ``AssertionError``
+listing what NCCL would break once every rank succeeded. ``LP_COMM_LOG_DIR=<dir>`` only writes the ranks' logs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import socket
 import sys
 import tempfile
@@ -49,6 +54,7 @@ def run_distributed(
     *args: Any,
     timeout: float = 90.0,
     init_process_group: bool = True,
+    comm_check: bool | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks; return their results.
@@ -57,7 +63,34 @@ def run_distributed(
     (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``), which is
     what Lightning's external-launch detection needs: a ``Trainer(devices=world_size)`` built inside
     ``fn`` then joins the group without relaunching anything.
+
+    ``comm_check=True`` (default: ``LP_COMM_CHECK=1`` in the environment) checks the ranks' communication
+    against NCCL's rules after they all succeeded (``tests/helpers/comm_check.verify``).
     """
+    if comm_check is None:
+        comm_check = os.environ.get("LP_COMM_CHECK") == "1"
+    comm_dir = tempfile.mkdtemp(prefix="lp-comm-") if comm_check else None
+    try:
+        results = _launch(fn, world_size, args, kwargs, timeout, init_process_group, comm_dir)
+        if comm_dir is not None:
+            from tests.helpers import comm_check as checker
+
+            checker.verify(checker.load(comm_dir), world_size)
+        return results
+    finally:
+        if comm_dir is not None:
+            shutil.rmtree(comm_dir, ignore_errors=True)
+
+
+def _launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+    init_process_group: bool,
+    comm_dir: str | None,
+) -> list[Any]:
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     readers, procs = {}, {}
@@ -68,7 +101,19 @@ def run_distributed(
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, fn, args, kwargs, writer, init_process_group, timeout, logs[rank].fileno()),
+            args=(
+                rank,
+                world_size,
+                port,
+                fn,
+                args,
+                kwargs,
+                writer,
+                init_process_group,
+                timeout,
+                logs[rank].fileno(),
+                comm_dir,
+            ),
             daemon=True,
         )
         proc.start()
@@ -139,6 +184,7 @@ def _rank_main(
     init_process_group: bool,
     timeout: float,
     stderr_fd: int,
+    comm_dir: str | None = None,
 ) -> None:
     torch.set_num_threads(1)  # first: a forked child of a multi-threaded parent hangs otherwise
     os.dup2(stderr_fd, 2)
@@ -152,10 +198,17 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
     )
+    comm_dir = comm_dir or os.environ.get("LP_COMM_LOG_DIR")
     try:
+        if comm_dir:  # record every communication op (and host tensors) for NCCL's rules
+            from tests.helpers import comm_check
+
+            comm_check.start(rank)
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         payload: tuple[str, Any] = ("ok", fn(rank, world_size, *args, **kwargs))
+        if comm_dir:
+            comm_check.finish(comm_dir)
         data = pickle.dumps(payload)
     except BaseException:
         traceback.print_exc()

@@ -12,11 +12,16 @@ forked gloo ranks with real ``Trainer``s. It then asserts, with ``torch.testing.
 Tolerances: float64 with any optimizer ``rtol=1e-9, atol=1e-12``; float32 only with SGD,
 ``rtol=atol=1e-5`` (Adam turns summation-order noise in near-zero gradients into lr-sized updates,
 see ``build``).
+
+The parallel run is also checked against NCCL's communication rules (``tests/helpers/comm_check.py``: tag-blind
+p2p matching, per-pair in-order streams, collective order, no host tensors in an op), and a run with pipeline
+stages must have recorded point-to-point traffic. ``comm_check=False`` or ``LP_COMM_CHECK=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -266,10 +271,20 @@ class _DeferredReference(L.Callback):
         initialize_(pl_module, torch.initial_seed())
 
 
+class _ExpectP2P(L.Callback):
+    """Under the communication check: a run with more than one pipeline stage must record p2p ops."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from tests.helpers import comm_check
+
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        comm_check.expect_p2p(getattr(dims, "pp", 1) > 1)
+
+
 def _parallel_rank(
     rank: int, world_size: int, strategy: Callable[[], Any], args: tuple, extra: dict, callbacks: Any
 ) -> Records:
-    more = callbacks() if callbacks is not None else []
+    more = [*(callbacks() if callbacks is not None else []), _ExpectP2P()]
     return _fit(*args, dict(extra), devices=world_size, strategy=strategy(), extra_callbacks=more)
 
 
@@ -284,13 +299,15 @@ def assert_parity(
     steps: int = 3,
     global_batch: int = 8,
     callbacks: Callable[[], list] | None = None,
+    comm_check: bool | None = None,
     **trainer_kwargs: Any,
 ) -> list[Records]:
     """Train ``model`` under ``strategy()`` on ``world_size`` ranks and single-process; assert equality.
 
     ``strategy`` is a zero-argument factory called inside each rank. ``trainer_kwargs`` (e.g.
     ``accumulate_grad_batches``, ``gradient_clip_val``) go to both Trainers; ``callbacks()`` (e.g. the
-    profilers, which must not change numerics) only to the parallel one.
+    profilers, which must not change numerics) only to the parallel one. ``comm_check`` (default: on unless
+    ``LP_COMM_CHECK=0``) checks the parallel run's communication against NCCL's rules (module docstring).
     """
     optimizer = optimizer or ("adamw" if dtype == "float64" else "sgd")
     if dtype == "float32" and optimizer != "sgd":
@@ -300,8 +317,17 @@ def assert_parity(
     extra = tuple(sorted(trainer_kwargs.items()))
     ref = reference(model, dtype, optimizer, steps, global_batch, extra)
     args = (model, dtype, optimizer, steps, global_batch // data_parallel_size)
+    if comm_check is None:
+        comm_check = os.environ.get("LP_COMM_CHECK") != "0"
     per_rank = run_distributed(
-        _parallel_rank, world_size, strategy, args, trainer_kwargs, callbacks, init_process_group=False
+        _parallel_rank,
+        world_size,
+        strategy,
+        args,
+        trainer_kwargs,
+        callbacks,
+        init_process_group=False,
+        comm_check=comm_check,
     )
     tol = TOLERANCES[dtype]
     for rank, got in enumerate(per_rank):

@@ -32,6 +32,12 @@ def test_parity_p4_one_fold_no_recomputation_fp32():
     )
 
 
+def test_parity_p2_one_fold_two_microbatches_receives_ahead_in_nccls_order():
+    """The configuration whose receives posted ahead went out of order (a 32768-byte send into a 49152-byte receive
+    under NCCL's matching, from step 2): parity, and assert_parity's communication check finds nothing."""
+    assert_parity("llama", helix(pipeline_parallel_size=2, folds=1, num_microbatches=2), 2, data_parallel_size=1)
+
+
 def test_parity_dp2_x_pp2_with_clipping_and_accumulation():
     strategy = helix(pipeline_parallel_size=2, data_parallel_size=2)
     assert_parity(
