@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.anatomy import resolve
-from lightning_parallel.anatomy.verify import single_process_gradients
+from lightning_parallel.anatomy.verify import call_structure, check_structure, single_process_gradients
 from lightning_parallel.block_protocol import ConfigurationError, OwnForward
 from lightning_parallel.recompute import Policy, Recomputed, resolve_op, validate
 from lightning_parallel.rng import tensor_parallel_rng
@@ -251,12 +251,15 @@ class BlockRunner:
         self.layer, self.index, self.block = layer, index, block
         self.stack: Callable[..., Any] | None = None
         self.anatomy_name: str | None = None
+        self.structure: tuple | None = None  # of the call the stack was verified on (None: nothing verified)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         x, rest, kw = _split_hidden(self.block, args, kwargs, self.layer.hidden_name if self.layer else None)
         if self.stack is None:
             assert self.layer is not None
             self.layer.install_runner(self, x, rest, kw)
+        else:
+            check_structure(self.structure, rest, kw, f"block {self.index} ({type(self.block).__name__})")
         assert self.stack is not None
         return self.stack(self.block, x, rest, kw)
 
@@ -267,7 +270,7 @@ class BlockRunner:
         if self.stack is None and layer is not None:  # a pending copy resolves on its own, changing no optimizer
             layer = BlockLayer(layer.trunk, layer.config, Layouts.for_config(layer.config))
         new = BlockRunner(layer, self.index, block)
-        new.stack, new.anatomy_name = self.stack, self.anatomy_name
+        new.stack, new.anatomy_name, new.structure = self.stack, self.anatomy_name, self.structure
         return new
 
 
@@ -353,6 +356,7 @@ class BlockLayer:
             build = lambda anatomy: self._candidate(runner.index, anatomy)  # noqa: E731
             self.winner, anatomy = resolve.first_verified(block, sample, config, self.winner, build, self.groups())
             self._commit(runner, anatomy)
+            runner.structure = call_structure(args, kwargs)
 
     def _candidate(self, index: int, anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
         config = self.config

@@ -231,3 +231,55 @@ def single_process_gradients(module: nn.Module, tp: Any = None, sp: Any = None) 
             _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], sp.mesh.get_group())
         grads[name] = tp.to_full(name, g) if tp is not None else g
     return grads
+
+
+# ------------------------------------------------------------------------------------ call structure
+def call_structure(args: tuple, kwargs: dict) -> tuple:
+    """What a verdict holds for, of one block call's arguments besides the hidden state: each argument's kind
+    (a tensor's dtype and rank, ``None``, a flag's or a name's value, another object's type) and, where an
+    attention function would take the documents of a packed row from ``position_ids`` (no attention mask given,
+    as flash-attention's variable-length path does), whether they restart within a row. Shapes are not part of
+    it (a shorter last batch is the same structure)."""
+    mask = kwargs.get("attention_mask")
+    leaves: list[Any] = []
+    for value in (*args, *(kwargs[k] for k in sorted(kwargs))):
+        if isinstance(value, Tensor):
+            leaves.append(("tensor", value.dtype, value.dim()))
+        elif value is None or isinstance(value, (bool, str)):
+            leaves.append(value)
+        else:  # a number or another object: its type (a value that changes per step is the same structure)
+            leaves.append(type(value).__name__)
+    position_ids = kwargs.get("position_ids")
+    restarts = None
+    if mask is None and isinstance(position_ids, Tensor) and position_ids.dim() >= 1 and position_ids.shape[-1] > 1:
+        restarts = bool((position_ids[..., 1:] != position_ids[..., :-1] + 1).any())
+    return tuple(sorted(kwargs)), tuple(leaves), restarts
+
+
+def describe_structure(structure: tuple) -> str:
+    names, leaves, restarts = structure
+    documents = {None: "", True: "; position_ids restart (packed documents, no mask)",
+                 False: "; position_ids do not restart (one document per row, no mask)"}[restarts]  # fmt: skip
+    return f"keyword arguments {list(names)}, arguments {list(leaves)}{documents}"
+
+
+class StructureChanged(VerificationError):
+    """A block call whose arguments' structure differs from the one its stack was verified on."""
+
+
+def check_structure(verified: tuple | None, args: tuple, kwargs: dict, what: str) -> None:
+    """Refuse a call of ``what`` (a block, its index and class) whose :func:`call_structure` is not the verified
+    one: the verdict says nothing of it (e.g. a row of packed documents after a first row of one document, under
+    an attention function that reads documents from ``position_ids``), and running on would be silently
+    wrong where it differs."""
+    if verified is None:
+        return
+    now = call_structure(args, kwargs)
+    if now != verified:
+        raise StructureChanged(
+            f"{what} was verified on a call with {describe_structure(verified)}, and is now called with"
+            f" {describe_structure(now)}: its stack is not known to reproduce the block on this kind of call. Make"
+            " the first batch of the kind the run trains on (packed rows first, if any are packed), give the model"
+            " an explicit attention mask (attn_implementation='sdpa' builds the document mask from position_ids),"
+            " or train this model without splitting its blocks (pipeline, data parallelism)"
+        )

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import _collectives
+from lightning_parallel.anatomy.verify import check_structure
 from lightning_parallel.pipeline.capture import substitute, wrap_output
 from lightning_parallel.pipeline.helix_schedule import attention_stage
 from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext, detached
@@ -47,6 +48,7 @@ class HelixRuntime(PipelineRuntime):
         # per layer, set once verified (the strategy's first step): a Split, or under sequence parallelism a
         # SplitOverSequence (its parts take the micro-batch's sequence shard)
         self.splits: list[Any] = []
+        self.structures: list[tuple] = []  # per layer, the call structure its split was verified on
         self.folds, self.recompute = folds, recompute
         self.specs: dict[tuple, Any] = {}  # (kind, layer, trunk input's shape and dtype) -> the message's spec
         self.num_layers = len(self.trunk)
@@ -91,6 +93,16 @@ class HelixRuntime(PipelineRuntime):
                 f"expected at least {n} tensors for {a} (layer {a.chunk}, micro-batch {a.microbatch}); got {len(out)}"
             )
         return [t.requires_grad_(True) for t in out]
+
+    def _capture(self, ctx: StepContext, i: int) -> Any:
+        known = i in ctx.captures
+        cap = super()._capture(ctx, i)
+        if not known:  # a micro-batch's block arguments, once: of the structure each split was verified on
+            for j, (args, kwargs) in enumerate(cap.block_args[: len(self.structures)]):
+                check_structure(
+                    self.structures[j], args, kwargs, f"layer {j + 1} ({type(self.trunk.blocks[j]).__name__})"
+                )
+        return cap
 
     def _attention_stage(self, layer: int, mb: int) -> int:
         return attention_stage(layer, mb, self.num_stages, self.folds)
@@ -287,6 +299,8 @@ class HelixRuntime(PipelineRuntime):
         p = self.num_stages
         pre_stage, post_stage = i % p, (i + 1) % p
         tag = self.tag("E", ev.passes, i)
+        if i < len(self.structures):
+            check_structure(self.structures[i], args, kwargs, f"layer {i + 1} ({type(block).__name__})")
         if i == 0 and self._sequence_parallel:  # the pass's shard, on every stage alike
             ev.shard = self.splits[0].shard(block, hidden, args, kwargs)
         if self.stage == pre_stage:

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.resolve import verified_split
+from lightning_parallel.anatomy.verify import call_structure
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import DP, PP, SP, TP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
@@ -110,6 +111,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         )
         self._folds, self._helix_recompute = folds, recompute == "no_attention"
         self._splits: list[Any] = []  # each layer's verified split, once the first step has placed the model
+        self._structures: list[tuple] = []  # each layer's call structure the split was verified on
         self._evaluating = False  # a validation, test or predict loop runs
 
     @property
@@ -150,6 +152,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         )  # fmt: skip
         self.runtime.quiet_step = self._quiet
         self.runtime.splits = self._splits  # placed by an earlier fit with this strategy, or filled at the first step
+        self.runtime.structures = self._structures
         self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
         return [], []
@@ -244,6 +247,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             after = dict(block.named_parameters())
             self._replace_parameters([(before[n], p, f"{prefix}{n}") for n, p in after.items() if p is not before[n]])
             self._splits.append(split)
+            self._structures.append(call_structure(*cap.block_args[j]))
             drop_parameters(self.optimizers, place_block(j, block, self._splits[j], self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)
         with self._outer_at_rest():  # what the stage stores: the outer part's shards
