@@ -48,6 +48,7 @@ from lightning_parallel.trunk import discover_trunk  # noqa: E402
 
 TRACED = ("traced",)
 
+
 def _lanes() -> object:
     """The two ranks' point-to-point lanes (``_collectives.Lanes``; both ranks make them in the same order)."""
     import torch.distributed as dist
@@ -55,7 +56,6 @@ def _lanes() -> object:
     from lightning_parallel import _collectives
 
     return _collectives.make_lanes([[0, 1]], dist.group.WORLD)
-
 
 
 class Composed:

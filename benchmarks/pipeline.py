@@ -71,6 +71,7 @@ from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_byte
 
 VOCAB, H, LAYERS, HEADS = 65, 128, 8, 4
 
+
 def _lanes() -> object:
     """The two ranks' point-to-point lanes (``_collectives.Lanes``; both ranks make them in the same order)."""
     import torch.distributed as dist
@@ -78,7 +79,6 @@ def _lanes() -> object:
     from lightning_parallel import _collectives
 
     return _collectives.make_lanes([[0, 1]], dist.group.WORLD)
-
 
 
 def make_model(seq_len: int) -> GPT:
