@@ -81,7 +81,7 @@ def _check(returncode: int, stderr: str, victim: int) -> None:
     assert returncode == SIGKILL_STATUS, (returncode, stderr[-3000:])
 
 
-@pytest.mark.parametrize("victim", [3, 1])
+@pytest.mark.parametrize("victim", [3, pytest.param(1, marks=pytest.mark.slow)])  # rank 1: slow tier, for time
 def test_a_killed_rank_of_four_is_named_alone_and_the_job_exits_137(victim, tmp_path):
     returncode, stderr, after_kill = _run_killed(tmp_path, "pipeline", victim)
     _check(returncode, stderr, victim)
