@@ -4,6 +4,7 @@ numerics untouched, every strategy, and the memory ratio the pipeline benchmark 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, Pi
 from lightning_parallel.callbacks import BubbleProfiler, MemoryProfiler
 from lightning_parallel.callbacks.timeline import analyze, chrome_trace, legend_labels, median_step, split_receive
 from lightning_parallel.pipeline.runtime import TimelineEvent
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.parity import assert_parity
 
 # ----------------------------------------------------------------------------- analysis, pure
@@ -299,7 +300,12 @@ def _ratio_both_ways(rank, world_size, name, root):
         bench_live.append(tracker.peak)
     peaks = [None, None]
     dist.all_gather_object(peaks, bench_live[-1])
+    # the Trainer below starts a new default group: on a fresh port (a second rendezvous on the first group's port
+    # hangs now and then in gloo's connection set-up, the old store's keys still there)
+    ports = [None, None]
+    dist.all_gather_object(ports, free_port() if rank == 0 else None)
     dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(ports[0])
     del cfg
     module = bench.make_model(T)
     module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=1e-3)
