@@ -289,12 +289,14 @@ def uninstall() -> None:
 
 
 # ------------------------------------------------------------------------------------ in a rank, in the parent
-def start(rank: int) -> Log:
-    """Begin recording in this (forked) rank: wrap the functions, enter the host-tensor mode."""
+def start(rank: int, host: bool = True) -> Log:
+    """Begin recording in this (forked) rank: wrap the functions and (``host``) enter the host-tensor mode, which
+    costs about a sixth of a parity run's time (``assert_parity`` runs it where asked: ``host_check=True``)."""
     global _LOG
     install()
     _LOG = Log(rank)
-    HostTaint().__enter__()  # left on until the process exits (ranks end with os._exit)
+    if host:
+        HostTaint().__enter__()  # left on until the process exits (ranks end with os._exit)
     return _LOG
 
 

@@ -203,7 +203,7 @@ def _rank_main(
         if comm_dir:  # record every communication op (and host tensors) for NCCL's rules
             from tests.helpers import comm_check
 
-            comm_check.start(rank)
+            comm_check.start(rank, host=os.environ.get("LP_COMM_HOST", "1") != "0")
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         payload: tuple[str, Any] = ("ok", fn(rank, world_size, *args, **kwargs))

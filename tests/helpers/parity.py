@@ -15,7 +15,9 @@ see ``build``).
 
 The parallel run is also checked against NCCL's communication rules (``tests/helpers/comm_check.py``: tag-blind
 p2p matching, per-pair in-order streams, collective order, no host tensors in an op), and a run with pipeline
-stages must have recorded point-to-point traffic. ``comm_check=False`` or ``LP_COMM_CHECK=0`` turns it off.
+stages must have recorded point-to-point traffic. ``comm_check=False`` or ``LP_COMM_CHECK=0`` turns it off. The
+host-tensor rule costs about a sixth of a run's time, so it runs where asked (``host_check=True``, or
+``LP_COMM_HOST=1`` for every run): tests/strategies/test_host_tensors.py asks it for every communication path.
 """
 
 from __future__ import annotations
@@ -300,6 +302,7 @@ def assert_parity(
     global_batch: int = 8,
     callbacks: Callable[[], list] | None = None,
     comm_check: bool | None = None,
+    host_check: bool = False,
     **trainer_kwargs: Any,
 ) -> list[Records]:
     """Train ``model`` under ``strategy()`` on ``world_size`` ranks and single-process; assert equality.
@@ -319,7 +322,22 @@ def assert_parity(
     args = (model, dtype, optimizer, steps, global_batch // data_parallel_size)
     if comm_check is None:
         comm_check = os.environ.get("LP_COMM_CHECK") != "0"
-    per_rank = run_distributed(
+    host = host_check or os.environ.get("LP_COMM_HOST") == "1"
+    os.environ["LP_COMM_HOST"], before = ("1" if host else "0"), os.environ.get("LP_COMM_HOST")
+    try:
+        per_rank = _run_parallel(strategy, world_size, args, trainer_kwargs, callbacks, comm_check)
+    finally:
+        if before is None:
+            del os.environ["LP_COMM_HOST"]
+        else:
+            os.environ["LP_COMM_HOST"] = before
+    return _compare(per_rank, ref, dtype, model, steps)
+
+
+def _run_parallel(
+    strategy: Callable[[], Any], world_size: int, args: tuple, trainer_kwargs: dict, callbacks: Any, comm_check: bool
+) -> list[Records]:
+    return run_distributed(
         _parallel_rank,
         world_size,
         strategy,
@@ -329,6 +347,9 @@ def assert_parity(
         init_process_group=False,
         comm_check=comm_check,
     )
+
+
+def _compare(per_rank: list[Records], ref: Records, dtype: str, model: str, steps: int) -> list[Records]:
     tol = TOLERANCES[dtype]
     for rank, got in enumerate(per_rank):
         where = f"{model} {dtype} rank {rank}"
