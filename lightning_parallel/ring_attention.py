@@ -42,11 +42,8 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _math_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """One pair's (output, log-sum-exp), computed in at least float32: softmax(q k^T * scale + mask) v. A row with
-    nothing to attend gets output 0 and log-sum-exp -inf, as the CPU kernel gives."""
+def _scores(q: Tensor, k: Tensor, causal: bool, mask: Tensor | None, scale: float) -> Tensor:
+    """One pair's attention scores q k^T * scale + mask (the future masked with -inf), in at least float32."""
     wide = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale
     if mask is not None:
@@ -54,9 +51,22 @@ def _math_forward(
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _probabilities(scores: Tensor, lse: Tensor) -> Tensor:
+    """exp(scores - lse); a row with nothing to attend (lse -inf) gives zeros."""
+    return torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+
+
+def _math_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One pair's (output, log-sum-exp), computed in at least float32: softmax(q k^T * scale + mask) v. A row with
+    nothing to attend gets output 0 and log-sum-exp -inf, as the CPU kernel gives."""
+    scores = _scores(q, k, causal, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
-    return (probs @ v.to(wide)).to(q.dtype), lse
+    return (_probabilities(scores, lse) @ v.to(scores.dtype)).to(q.dtype), lse
 
 
 def _math_backward(
@@ -73,16 +83,10 @@ def _math_backward(
     """One pair's (dq, dk, dv) given the *final* output and log-sum-exp of its queries (FlashAttention-2's
     backward, Dao 2023, arXiv 2307.08691, Algorithm 2): P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - D) with
     D = rowsum(dO * O), dQ = dS K * scale, dK = dS^T Q * scale."""
-    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = _scores(q, k, causal, mask, scale)
+    wide = scores.dtype
     qw, kw, vw, gw = q.to(wide), k.to(wide), v.to(wide), grad_out.to(wide)
-    scores = (qw @ kw.transpose(-2, -1)) * scale
-    if mask is not None:
-        scores = scores + mask.to(wide)
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    lse = lse.to(wide)
-    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    probs = _probabilities(scores, lse.to(wide))
     delta = (gw * out.to(wide)).sum(-1, keepdim=True)
     dscores = probs * (gw @ vw.transpose(-2, -1) - delta)
     dq, dk, dv = (dscores @ kw) * scale, (dscores.transpose(-2, -1) @ qw) * scale, probs.transpose(-2, -1) @ gw

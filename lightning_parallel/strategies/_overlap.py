@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch._utils import _unflatten_dense_tensors
 
 from lightning_parallel import _collectives
+from lightning_parallel.tensor_parallel import local
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 
@@ -110,7 +111,7 @@ class GradientBuckets:
             if p.grad is None:  # not reached on this replica: it adds zeros to the others' sum
                 p.grad = torch.zeros_like(p)
                 self.zeroed.add(id(p))
-        grads = [_local(p.grad) for p in self.buckets[b]]
+        grads = [local(p.grad) for p in self.buckets[b]]
         flat = torch.cat([g.reshape(-1) for g in grads])  # a copy (flattening one tensor would give a view of it)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.issued.append((work, flat, grads))
@@ -179,10 +180,6 @@ def _reached_parameters(loss: Tensor) -> set[int]:
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return reached
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def overlappable(strategy: Any) -> bool:
