@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.anatomy import resolve
-from lightning_parallel.anatomy.verify import call_structure, check_structure, single_process_gradients
+from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
 from lightning_parallel.block_protocol import ConfigurationError, OwnForward
 from lightning_parallel.recompute import Policy, Recomputed, resolve_op, validate
 from lightning_parallel.rng import tensor_parallel_rng
@@ -251,15 +251,15 @@ class BlockRunner:
         self.layer, self.index, self.block = layer, index, block
         self.stack: Callable[..., Any] | None = None
         self.anatomy_name: str | None = None
-        self.structure: tuple | None = None  # of the call the stack was verified on (None: nothing verified)
+        self.verdicts: Verdicts | None = None  # the call structures the stack is verified on (None: no anatomy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         x, rest, kw = _split_hidden(self.block, args, kwargs, self.layer.hidden_name if self.layer else None)
         if self.stack is None:
             assert self.layer is not None
             self.layer.install_runner(self, x, rest, kw)
-        else:
-            check_structure(self.structure, rest, kw, f"block {self.index} ({type(self.block).__name__})")
+        elif self.verdicts is not None:
+            self.verdicts.ensure(x, rest, kw)
         assert self.stack is not None
         return self.stack(self.block, x, rest, kw)
 
@@ -270,7 +270,7 @@ class BlockRunner:
         if self.stack is None and layer is not None:  # a pending copy resolves on its own, changing no optimizer
             layer = BlockLayer(layer.trunk, layer.config, Layouts.for_config(layer.config))
         new = BlockRunner(layer, self.index, block)
-        new.stack, new.anatomy_name, new.structure = self.stack, self.anatomy_name, self.structure
+        new.stack, new.anatomy_name, new.verdicts = self.stack, self.anatomy_name, self.verdicts
         return new
 
 
@@ -297,7 +297,8 @@ class BlockLayer:
     on_replace: Callable[[list[tuple[nn.Parameter, nn.Parameter, str]]], None] | None = None
     """Called at commit with ``(old parameter, new parameter, full name)`` of each replaced parameter."""
     runners: dict[int, BlockRunner] = field(default_factory=dict)
-    winner: str | None = None  # the source of anatomy the first block verified with (the others use it too)
+    winner: str | None = None  # the source of anatomy the first block verified with (the others try it first)
+    proven: set[tuple] = field(default_factory=set)  # (source, fingerprint) of the blocks verified so far
 
     def __post_init__(self) -> None:
         validate(self.config.recompute, self.config.every_n, self.config.mlp_chunks, self.config.offload)
@@ -354,9 +355,13 @@ class BlockLayer:
         with torch.inference_mode(False), torch.enable_grad():
             sample = _normal((x, args, kwargs))
             build = lambda anatomy: self._candidate(runner.index, anatomy)  # noqa: E731
-            self.winner, anatomy = resolve.first_verified(block, sample, config, self.winner, build, self.groups())
+            self.winner, anatomy = resolve.first_verified(block, sample, config, self.winner, build, self.groups(),
+                                                          self.proven)  # fmt: skip
+            check = lambda b, x_, a, kw: verify(b, x_, a, kw, build(anatomy), name=anatomy.name,  # noqa: E731
+                                                groups=self.groups())  # fmt: skip
+            what = f"block {runner.index} ({type(block).__name__})"
+            runner.verdicts = Verdicts(block, args, kwargs, what, runner.index, check)
             self._commit(runner, anatomy)
-            runner.structure = call_structure(args, kwargs)
 
     def _candidate(self, index: int, anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
         config = self.config

@@ -71,7 +71,13 @@ def named_adapter(adapter: str | BlockAdapter) -> BlockAdapter:
 
 
 def matching_adapters(block: nn.Module) -> list[BlockAdapter]:
-    """The hand-written adapters whose attribute names match ``block`` (candidates, still to verify)."""
+    """The hand-written adapters whose attribute names match ``block`` (candidates, still to verify). They compute
+    attention with SDPA: a Hugging Face block whose config names another attention function (flash-attention,
+    flex, one the user registered) keeps it, through :mod:`lightning_parallel.anatomy.hugging_face`."""
+    from lightning_parallel.anatomy.flash import implementations_of
+
+    if implementations_of(block) - {"sdpa", "eager"}:
+        return []
     return [a for a in ADAPTERS.values() if a.matches(block)]
 
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from lightning_parallel.anatomy.flash import PREFIX, configs_of
 from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported, argument
 
-PREFIX = "lightning_parallel_"
 STYLES = {  # base_model_tp_plan style -> this library's module style
     "colwise": "colwise",
     "rowwise": "rowwise",
@@ -94,8 +94,14 @@ def _attention(original: str) -> Any:
                 f" {type(module).__name__} call passed none: use sequence_parallel_mode='ulysses'"
             )
 
+        whole = dict(kwargs)
+        if shard.mode == "ulysses" and isinstance(kwargs.get("position_ids"), Tensor):
+            # the function sees the whole sequence (for 1/sp of the heads): flash-attention's variable-length path
+            # reads the documents from the whole row's positions
+            whole["position_ids"] = shard.gather(kwargs["position_ids"], -1)
+
         def inner(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return fn(module, q, k, v, attention_mask, **kwargs)[0].transpose(1, 2)
+            return fn(module, q, k, v, attention_mask, **whole)[0].transpose(1, 2)
 
         def info() -> AttentionCall:
             causal = getattr(module, "is_causal", True) and attention_mask is None
@@ -127,86 +133,83 @@ def register(original: str) -> str:
 
 # ------------------------------------------------------------------------------ the cut (tracing)
 @torch.library.custom_op("lightning_parallel::hf_attention", mutates_args=())
-def hf_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, call: str) -> Tensor:
-    """A Hugging Face attention call as one op of a traced graph (HelixPipe's cut); the split replaces it by
-    the call itself, so this body only runs if a graph is executed unsplit."""
+def hf_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, extras: list[Tensor],
+                 call: str) -> Tensor:  # fmt: skip
+    """A Hugging Face attention call as one op of a traced graph (HelixPipe's cut): ``extras`` are the call's
+    other tensor arguments (``position_ids``, flash-attention's ``cu_seq_lens_*``: the documents of a packed
+    row), named in the trace's record of ``call``. The split replaces it by the call itself, so this body only
+    runs if a graph is executed unsplit."""
     raise RuntimeError("lightning_parallel::hf_attention runs only inside a split traced graph")
 
 
 @hf_attention.register_fake
-def _(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, call: str) -> Tensor:
+def _(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, extras: list[Tensor], call: str) -> Tensor:
     B, H, T, _ = query.shape
     return query.new_empty(B, T, H, value.shape[-1])
 
 
 def _traced(route: _Route, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, original: str,
             kwargs: dict) -> Tensor:  # fmt: skip
-    if any(isinstance(value, Tensor) for n, value in kwargs.items() if n not in SEQUENCE_KWARGS):
-        raise Unsupported(f"its attention call takes tensors besides q, k, v and the mask ({sorted(kwargs)})")
+    parameters = sorted(n for n, value in kwargs.items() if isinstance(value, nn.Parameter))
+    if parameters:
+        raise Unsupported(f"its attention call takes parameters of the block ({parameters})")
     assert route.trace is not None and route.block is not None
     if not route.names:
         route.names = {id(m): n for n, m in route.block.named_modules()}
     static = {n: value for n, value in kwargs.items() if not isinstance(value, Tensor)}
+    tensors = sorted(n for n, value in kwargs.items() if isinstance(value, Tensor))
     key = f"call{len(route.trace)}"
-    route.trace[key] = (route.names[id(module)], {**static, "_original": original})
-    return torch.ops.lightning_parallel.hf_attention(q, k, v, mask, key)
+    route.trace[key] = (route.names[id(module)], {**static, "_original": original, "_tensors": tensors})
+    return torch.ops.lightning_parallel.hf_attention(q, k, v, mask, [kwargs[n] for n in tensors], key)
 
 
 def resolve_calls(gm: fx.GraphModule, calls: dict[str, tuple[str, dict]]) -> None:
     """Make each traced attention op of ``gm`` call the model's attention function with the block's module
-    (``(q, k, v, mask, block)``: q, k, v stay the first arguments, as for SDPA)."""
+    (``(q, k, v, mask, extras, block)``: q, k, v stay the first arguments, as for SDPA)."""
     block = next(n for n in gm.graph.nodes if n.op == "placeholder")
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == torch.ops.lightning_parallel.hf_attention.default:
-            q, k, v, mask, key = node.args
+            q, k, v, mask, extras, key = node.args
             path, kwargs = calls[key]
             node.target = _call(path, kwargs)
-            node.args = (q, k, v, mask, block)
+            node.args = (q, k, v, mask, extras, block)
     gm.recompile()
 
 
 def _call(path: str, kwargs: dict) -> Any:
     kwargs = dict(kwargs)
-    original = kwargs.pop("_original")
+    original, names = kwargs.pop("_original"), kwargs.pop("_tensors")
 
-    def hf_attention_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, block: nn.Module) -> Tensor:
+    def hf_attention_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, extras: list[Tensor],
+                          block: nn.Module) -> Tensor:  # fmt: skip
         module = block.get_submodule(path)
-        return _original(module, original)(module, q, k, v, mask, **kwargs)[0]
+        return _original(module, original)(module, q, k, v, mask, **kwargs, **dict(zip(names, extras)))[0]
 
     hf_attention_call.hf_attention_call = True  # type: ignore[attr-defined]  (what the graph analysis cuts at)
     return hf_attention_call
 
 
 # ---------------------------------------------------------------------------------------- anatomy
-def _configs(block: nn.Module) -> list[Any]:
-    from transformers import PretrainedConfig
-
-    seen: dict[int, Any] = {}
-    for module in block.modules():
-        config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
-            seen[id(config)] = config
-    return list(seen.values())
-
-
 def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> HuggingFaceAnatomy:
     if "transformers" not in sys.modules:
         raise Unsupported("not a Hugging Face block (transformers is not imported)")
-    configs = _configs(block)
+    configs = configs_of(block)
     if not configs:
         raise Unsupported("not a Hugging Face block (no PretrainedConfig on it)")
     if config.tp_sequence_parallel:
         raise Unsupported(
             "tp_sequence_parallel=True: the model's own forward shapes its projections by the whole sequence"
         )
-    return HuggingFaceAnatomy(configs[0], sample, family_level=not config.split)
+    ring = config.sp > 1 and config.sp_mode == "ring"
+    return HuggingFaceAnatomy(configs[0], sample, family_level=not config.split, ring=ring)
 
 
 class HuggingFaceAnatomy:
     name = "hugging_face"
 
-    def __init__(self, hf_config: Any, sample: tuple[Tensor, tuple, dict], family_level: bool) -> None:
-        self.hf_config, self.sample, self.family_level = hf_config, sample, family_level
+    def __init__(self, hf_config: Any, sample: tuple[Tensor, tuple, dict], family_level: bool,
+                 ring: bool = False) -> None:  # fmt: skip
+        self.hf_config, self.sample, self.family_level, self.ring = hf_config, sample, family_level, ring
         self.original = getattr(hf_config, "_attn_implementation", None) or "eager"
         if self.original.startswith(PREFIX):
             self.original = self.original[len(PREFIX) :]
@@ -235,24 +238,27 @@ class HuggingFaceAnatomy:
         return args, local
 
     def _check_documents(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Refuse a packed batch whose documents reach the attention other than by a mask: flash-attn's
-        variable-length path takes them from ``cu_seq_lens_*`` (``DataCollatorWithFlattening(
-        return_flash_attn_kwargs=True)``) or from restarting ``position_ids``, and builds no mask; a sequence
-        shard of that call would attend across documents. (Other implementations ignore those arguments and
-        build the document mask, which both modes split.)"""
+        """Refuse ring attention on a packed batch whose documents reach the attention other than by a mask:
+        flash-attention's variable-length path takes them from ``cu_seq_lens_*`` (``DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True)``) or from restarting ``position_ids`` and builds no mask, and the ring's
+        own kernel computes chunk pairs under the call's mask. (Ulysses gives the function the whole sequence and
+        the whole row's ``position_ids``; other implementations build the document mask, which both modes split.)"""
+        from lightning_parallel.anatomy.flash import flash_like
         from lightning_parallel.packing import is_packed
 
-        if "flash" not in self.original or isinstance(argument(block, args, kwargs, "attention_mask"), Tensor):
+        if not self.ring or not flash_like(self.original):
+            return
+        if isinstance(argument(block, args, kwargs, "attention_mask"), Tensor):
             return
         varlen = sorted(n for n in VARLEN_KWARGS if kwargs.get(n) is not None)
         position_ids = kwargs.get("position_ids")
         if varlen or (isinstance(position_ids, Tensor) and is_packed(position_ids)):
             given = ", ".join(varlen) if varlen else "position_ids that restart (packed documents)"
             raise ConfigurationError(
-                f"sequence parallelism cannot split this packed batch's attention: {type(block).__name__} calls"
-                f" attn_implementation={self.original!r} with {given} and no mask, and a sequence shard of that call"
-                " would attend across documents; use attn_implementation='sdpa' (transformers then builds the"
-                " document mask, which Ulysses and ring split), or a strategy without sequence parallelism"
+                f"sequence_parallel_mode='ring' cannot split this packed batch's attention: {type(block).__name__}"
+                f" calls attn_implementation={self.original!r} with {given} and no mask, and the ring's chunk pairs"
+                " would attend across documents; use sequence_parallel_mode='ulysses' (the function then sees whole"
+                " rows), or attn_implementation='sdpa' (transformers builds the document mask, which the ring splits)"
             )
 
     def attention_mask(self, block: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
@@ -283,7 +289,7 @@ class HuggingFaceAnatomy:
         """Point the block's configs at the registered attention function (the real model's config is the
         model's: its mask creation then uses the registered mask function, the same as the original's)."""
         name = register(self.original)
-        for c in _configs(block):
+        for c in configs_of(block):
             c._attn_implementation = name
 
     def local_forward(self, block: nn.Module, config: Any, tp_layout: Any, prefix: str) -> Any:
@@ -312,7 +318,7 @@ class HuggingFaceAnatomy:
         name = register(self.original)
         x, args, kwargs = self.sample
         calls: dict[str, tuple[str, dict]] = {}
-        saved = [(c, c._attn_implementation) for c in _configs(block)]
+        saved = [(c, c._attn_implementation) for c in configs_of(block)]
         try:
             for c, _ in saved:
                 c._attn_implementation = name

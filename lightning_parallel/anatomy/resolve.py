@@ -10,8 +10,11 @@
 6. otherwise an :class:`~lightning_parallel.block_protocol.AnatomyError` naming the block class, every
    source tried, why each failed, and ``adapter=``.
 
-The first block of a trunk decides the source; the trunk's other blocks use the same one (each still
-verified).
+The first block of a trunk decides the source; the trunk's other blocks try it first (then the others). A
+block is verified unless a block of the same :func:`fingerprint` (every attribute and buffer of every submodule
+that is not a parameter's value) already verified with that source: blocks of one class that differ in a
+per-layer setting (rotary on or off, a window, ``layer_idx`` into the config's per-layer lists) are each
+verified as themselves.
 """
 
 from __future__ import annotations
@@ -19,33 +22,40 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
-from lightning_parallel.anatomy.verify import single_process_gradients, verify
+from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
 from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Unsupported
 
 SOURCES = ("adapters", "hugging_face", "own_forward", "traced")
+_LABELS = {"adapters": "adapter ", "hugging_face": "hugging_face", "own_forward": "own forward", "traced": "traced"}
 
 
 def candidates(
     block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any, winner: str | None = None
 ) -> Iterator[tuple[str, Any]]:
     """``(source, anatomy)`` in the order to try, or ``(source, Unsupported(reason))`` for a source that
-    cannot serve; with ``winner`` (the source an earlier block of the trunk verified with) only that one."""
+    cannot serve; ``winner`` (the source an earlier block of the trunk verified with) first."""
     if config.adapter is not None:
         yield "adapter=", AdapterAnatomy(named_adapter(config.adapter))
         return
-    for source, anatomy in _all(block, sample, config):
-        if winner is None or source == winner:
-            yield source, anatomy
+    if winner is not None:  # the trunk's winner first, then the others in order (each made only when reached)
+        yield from ((s, a) for s, a in _all(block, sample, config, only=winner))
+    yield from ((s, a) for s, a in _all(block, sample, config) if s != winner)
 
 
-def _all(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> Iterator[tuple[str, Any]]:
+def _all(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any,
+         only: str | None = None) -> Iterator[tuple[str, Any]]:  # fmt: skip
+    """The sources in order, each anatomy made when reached (tracing costs); ``only``: that source alone."""
     for source in config.sources if config.sources is not None else SOURCES:
+        if only is not None and not only.startswith(_LABELS[source]):
+            continue
         if source == "adapters":
             for adapter in matching_adapters(block):
-                yield f"adapter {adapter.name!r}", AdapterAnatomy(adapter)
+                if only is None or only == f"adapter {adapter.name!r}":
+                    yield f"adapter {adapter.name!r}", AdapterAnatomy(adapter)
         elif source == "hugging_face":
             from lightning_parallel.anatomy import hugging_face
 
@@ -110,20 +120,23 @@ def first_verified(
     winner: str | None,
     build: Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]],
     groups: list[Any],
+    proven: set[tuple] | None = None,
 ) -> tuple[str, Any]:
     """``(source, anatomy)`` of the first source (:mod:`lightning_parallel.anatomy.resolve`) whose candidate
     ``build(anatomy)`` verifies against ``block`` on ``sample``; an explicit ``adapter=`` that fails is the
-    error; when none verifies, an :class:`AnatomyError` names every source tried and why. A source whose
-    code serves the whole family (``family_level``: an adapter, the model's own forward) is verified on the
-    trunk's first block; a traced graph on every block it serves."""
+    error; when none verifies, an :class:`AnatomyError` names every source tried and why. ``proven`` (kept by
+    the caller across a trunk's blocks): ``(source, fingerprint)`` of the blocks verified so far; a source whose
+    code serves the whole family (``family_level``: an adapter, the model's own forward) is not verified again
+    on a block of a fingerprint it verified on (a traced graph is verified on every block it serves)."""
     x, args, kwargs = sample
     reasons: list[str] = []
+    mark = fingerprint(block) if proven is not None else None
     for source, anatomy in candidates(block, sample, config, winner):
         if isinstance(anatomy, Exception):
             reasons.append(f"{source}: {anatomy}")
             continue
-        if winner is not None and getattr(anatomy, "family_level", False):
-            return source, anatomy  # the family's code verified on the trunk's first block
+        if proven is not None and (source, mark) in proven and getattr(anatomy, "family_level", False):
+            return source, anatomy  # the family's code, verified on a block identical to this one
         try:
             verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups)
         except ConfigurationError:
@@ -133,8 +146,46 @@ def first_verified(
                 raise type(err)(f"{err}; pass adapter= with one that matches this block family") from err
             reasons.append(f"{source}: {err}")
             continue
+        if proven is not None:
+            proven.add((source, mark))
         return source, anatomy
     raise AnatomyError(explain(block, config, reasons))
+
+
+def fingerprint(block: nn.Module) -> tuple:
+    """What a block computes besides its parameters' values: for every submodule, its class, every attribute that
+    is not a parameter, buffer, submodule or hook (numbers, strings, flags, ``layer_idx``, tensors by value; a
+    shared object such as the model's config by identity, another object by identity: never equal by accident),
+    its buffers by value and its parameters' shapes and dtypes. Two blocks with equal fingerprints run the same
+    code on the same settings; one differing attribute (rotary off in one layer, a window) tells them apart."""
+    return tuple(
+        (name, type(m), tuple((k, _mark(v)) for k, v in sorted(vars(m).items()) if not _machinery(k)),
+         tuple((k, _mark(b)) for k, b in m._buffers.items()),
+         tuple((k, None if p is None else (tuple(p.shape), p.dtype, p.requires_grad)) for k, p in m._parameters.items()))
+        for name, m in block.named_modules()
+    )  # fmt: skip
+
+
+def _machinery(key: str) -> bool:
+    return key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "forward", "training") or (
+        key.endswith("_hooks") or key.endswith("_hooks_with_kwargs") or key.endswith("_always_called")
+        or key.startswith("_state_dict") or key.startswith("_load_state_dict")
+    )  # fmt: skip
+
+
+def _mark(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, type)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_mark(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((str(k), _mark(v)) for k, v in value.items()))
+    if isinstance(value, Tensor):
+        if value.device.type == "meta":  # no values yet: only the same tensor is the same
+            return ("tensor", tuple(value.shape), value.dtype, id(value))
+        raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ("tensor", tuple(value.shape), value.dtype, hash(raw))
+    return ("object", type(value).__name__, id(value))
 
 
 def verified_split(
@@ -144,15 +195,19 @@ def verified_split(
     winner: str | None = None,
     layouts: Any = None,
     prefix: str = "",
-) -> tuple[str, Any]:
-    """``(source, parts)``: ``block`` cut at its attention call (HelixPipe) by the first source whose split
+    index: int = 0,
+    proven: set[tuple] | None = None,
+) -> tuple[str, Any, Verdicts]:
+    """``(source, parts, verdicts)``: ``block`` (layer ``index``) cut at its attention call (HelixPipe) by the first source whose split
     reproduces the block's own forward and gradients on ``sample`` (:func:`first_verified`), composed with this
     rank's tensor parallelism (the block sharded, the parts running on its heads; ``layouts.tp`` records the
     sharding) and sequence parallelism (a :class:`~lightning_parallel.sequence_parallel.SplitOverSequence`;
     ``layouts.sp`` records the parameters whose gradients are summed over sp). The candidates are verified on
     copies, the verdict agreed over the tp and sp groups; then ``block`` itself is sharded (its parameters
     replaced: the caller hands the new ones to the optimizers). ``prefix``: the block's parameters' full names
-    start with it (the checkpoint's names of permuted fused projections)."""
+    start with it (the checkpoint's names of permuted fused projections); ``proven``: see :func:`first_verified`.
+    ``verdicts`` verifies the split again on a call of another structure
+    (:class:`~lightning_parallel.anatomy.verify.Verdicts`)."""
     from lightning_parallel.rng import tensor_parallel_split as tensor_parallel_rng_split
     from lightning_parallel.sequence_parallel import SequenceParallelLayout, SplitOverSequence, check_heads
     from lightning_parallel.tensor_parallel import TensorParallelLayout
@@ -178,6 +233,8 @@ def verified_split(
         return candidate
 
     groups = [m.get_group() for m in (config.tp_mesh, config.sp_mesh) if m is not None and m.size() > 1]
-    source, anatomy = first_verified(block, sample, config, winner, build, groups)
+    source, anatomy = first_verified(block, sample, config, winner, build, groups, proven)
+    check = lambda b, x, a, kw: verify(b, x, a, kw, build(anatomy), name=anatomy.name, groups=groups)  # noqa: E731
+    verdicts = Verdicts(block, sample[1], sample[2], f"layer {index + 1} ({type(block).__name__})", index, check)
     tp, sp = (layouts.tp, layouts.sp) if layouts is not None else (None, None)
-    return source, compose(anatomy, block, tp, sp, prefix)
+    return source, compose(anatomy, block, tp, sp, prefix), verdicts

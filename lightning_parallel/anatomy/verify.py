@@ -1,7 +1,8 @@
 """Fail-closed verification: a transformed block must reproduce the block's own forward and gradients.
 
-On the first real input, on copies of the block (the block itself is not touched), in float64 (in
-float32 where one of the block's kernels has no float64 version): the block's own forward gives the
+On the first real input, on copies of the block (the block itself is not touched), in float64 (through
+flash-attention's semantics where the block's attention is flash-attention, :mod:`lightning_parallel.anatomy
+.flash`; in float32 where another of its kernels has no float64 version; autocast off): the block's own forward gives the
 reference output, input gradient and parameter gradients; the candidate (any transformed copy: a split,
 a tensor- or sequence-parallel stack, chunked MLP, recomputation) runs on the same input with the same
 output weighting, its gradients are brought to the single-process view with the algebra the strategies
@@ -9,12 +10,14 @@ use (partial sums reduced, shards gathered), and all are compared at ``rtol=1e-9
 of each tensor's largest element where the block computes in float32 on its own, e.g. a norm that casts
 to float32: a different summation order is only float32-exact there). The verdict is agreed over the
 given process groups, so every rank raises the same error or none does. With active dropout both copies
-run in eval mode (random masks cannot match); the dropout paths are tested separately.
+run in eval mode (random masks cannot match); the dropout paths are tested separately. A verdict holds for the
+structure of the call it was reached on; a call of another structure is verified again (:class:`Verdicts`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -118,8 +121,8 @@ def _run(module: nn.Module, fn: Callable[..., Any], x: Tensor, args: tuple, kwar
 
 
 @contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+def _nothing() -> Iterator[bool]:
+    yield True
 
 
 def verify(
@@ -137,19 +140,43 @@ def verify(
     ``build(copy)`` transforms a float64 copy of the block and returns ``(forward, gradients)``:
     ``forward(copy, x, args, kwargs)`` runs it, ``gradients(copy)`` returns its parameter gradients by name
     as one process would see them (a collective where the copy is sharded)."""
+    with torch.autocast(x.device.type, enabled=False), _reference(block, x, args, kwargs) as ran:
+        _compare(block, build, name, groups, *ran)
+
+
+@contextmanager
+def _reference(block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Iterator[tuple]:
+    """The reference run, in the widest dtype the block's kernels take: float64; for a block whose attention is
+    flash-attention, float64 through its semantics (:mod:`lightning_parallel.anatomy.flash`, open while the
+    candidate runs too); else float32. Yields ``(reference, candidate, inputs, output, input gradient, probe)``."""
+    from lightning_parallel.anatomy.flash import stand_in
+
     own = lambda m, xi, a, kw: type(m).forward(m, xi, *a, **kw)  # noqa: E731
-    probe = _LowPrecision()
-    try:
-        x64, a64, kw64 = to64(x), to64(args), to64(kwargs)
-        reference, candidate = float64_copy(block), float64_copy(block)
-        _same_mode(block, reference, candidate)
-        ref_out, ref_grad = _run(reference, own, x64, a64, kw64, probe)
-    except RuntimeError:  # a kernel without float64 (e.g. grouped matrix products): verify in float32
-        x64, a64, kw64 = _cast((x, args, kwargs), torch.float32)
-        reference, candidate = (_cast_module(float64_copy(block), torch.float32) for _ in range(2))
-        _same_mode(block, reference, candidate)
-        ref_out, ref_grad = _run(reference, own, x64, a64, kw64, probe)
-        probe.seen = True
+    failure: RuntimeError | None = None
+    for dtype, swap in ((torch.float64, False), (torch.float64, True), (torch.float32, False)):
+        with stand_in(block) if swap else _nothing() as swapped:
+            if swap and not swapped:
+                continue
+            probe = _LowPrecision()
+            inputs = _cast((x, args, kwargs), dtype)
+            reference, candidate = (_cast_module(float64_copy(block), dtype) for _ in range(2))
+            _same_mode(block, reference, candidate)
+            try:
+                out, grad = _run(reference, own, *inputs, probe)
+            except RuntimeError as err:  # a kernel without this dtype (grouped matrix products, flash-attention)
+                failure = err
+                continue
+            probe.seen |= dtype != torch.float64
+            yield reference, candidate, inputs, out, grad, probe
+            return
+    assert failure is not None
+    raise failure
+
+
+def _compare(block: nn.Module, build: Callable[[nn.Module], tuple[Callable[..., Any], Callable[[nn.Module], dict]]],
+             name: str, groups: Sequence[Any], reference: nn.Module, candidate: nn.Module, inputs: tuple,
+             ref_out: Tensor, ref_grad: Tensor, probe: _LowPrecision) -> None:  # fmt: skip
+    x64, a64, kw64 = inputs
     tolerance = FLOAT32_TOLERANCE if probe.seen else TOLERANCE
     ref_params = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     problems: list[str] = []
@@ -264,22 +291,78 @@ def describe_structure(structure: tuple) -> str:
 
 
 class StructureChanged(VerificationError):
-    """A block call whose arguments' structure differs from the one its stack was verified on."""
+    """A block call of a structure its stack was not verified on, and on which the stack does not reproduce it."""
 
 
-def check_structure(verified: tuple | None, args: tuple, kwargs: dict, what: str) -> None:
-    """Refuse a call of ``what`` (a block, its index and class) whose :func:`call_structure` is not the verified
-    one: the verdict says nothing of it (e.g. a row of packed documents after a first row of one document, under
-    an attention function that reads documents from ``position_ids``), and running on would be silently
-    wrong where it differs."""
-    if verified is None:
-        return
-    now = call_structure(args, kwargs)
-    if now != verified:
-        raise StructureChanged(
-            f"{what} was verified on a call with {describe_structure(verified)}, and is now called with"
-            f" {describe_structure(now)}: its stack is not known to reproduce the block on this kind of call. Make"
-            " the first batch of the kind the run trains on (packed rows first, if any are packed), give the model"
-            " an explicit attention mask (attn_implementation='sdpa' builds the document mask from position_ids),"
-            " or train this model without splitting its blocks (pipeline, data parallelism)"
-        )
+def skeleton(block: nn.Module) -> nn.Module:
+    """A copy of ``block`` whose parameters are on ``meta`` (no memory; buffers kept), without a runner: what
+    :class:`Verdicts` verifies later calls on, taken before the block is composed (sharded, chunked)."""
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in block.parameters()
+    }
+    with without_forward(block):
+        return copy.deepcopy(block, memo)
+
+
+def synthetic(skeleton_: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """``skeleton_`` with parameters of seeded values, the same on every rank: uniform in [-1, 1] over the square
+    root of the fan-in for matrices, 1 +- 0.5 for vectors (norm weights, biases), so that every path of the block
+    carries signal of order one; buffers as the block has them."""
+    g = torch.Generator().manual_seed(seed)
+    memo: dict[int, Any] = {}
+    for p in skeleton_.parameters():
+        if id(p) in memo:
+            continue
+        u = torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1
+        values = u / math.sqrt(p.shape[-1]) if p.dim() > 1 else 1 + 0.5 * u
+        values = values.to(p.dtype) if p.is_floating_point() else torch.zeros(p.shape, dtype=p.dtype)
+        memo[id(p)] = nn.Parameter(values.to(device), requires_grad=p.requires_grad)
+    block = copy.deepcopy(skeleton_, memo)
+    for module in block.modules():
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)
+    return block
+
+
+class Verdicts:
+    """The call structures (:func:`call_structure`) one composed block is known to reproduce the block on, and how
+    to verify another. The first verdict is the one its stack was chosen by (the block's real parameters, its first
+    call). A call of another structure (a row of packed documents after a row of one, a mask where there was
+    none) is verified before it runs, by ``check(block, x, args, kwargs)`` (:func:`verify` with the committed
+    anatomy's candidate, agreed over the tp and sp groups, whose members meet the same call together) on the
+    block's :func:`skeleton` given :func:`synthetic` values and a seeded hidden state; the call runs if it
+    passes, and is refused with :class:`StructureChanged` if not."""
+
+    def __init__(self, block: nn.Module, args: tuple, kwargs: dict, what: str, seed: int,
+                 check: Callable[[nn.Module, Tensor, tuple, dict], None]) -> None:  # fmt: skip
+        self.first = call_structure(args, kwargs)
+        self.known = {self.first}
+        self.skeleton, self.what, self.seed, self.check = skeleton(block), what, seed, check
+
+    def __deepcopy__(self, memo: dict) -> Verdicts:
+        return self
+
+    def ensure(self, x: Tensor, args: tuple, kwargs: dict) -> None:
+        """Verify the stack on a call of this structure unless it already was; raise if it does not reproduce."""
+        now = call_structure(args, kwargs)
+        if now in self.known:
+            return
+        device = x.device if x.device.type != "meta" else torch.device("cpu")
+        g = torch.Generator().manual_seed(self.seed)
+        hidden = torch.randn(x.shape, generator=g, dtype=torch.float64).to(device=device, dtype=x.dtype)
+        args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, Tensor) and t.is_inference() else t,
+                                (args, kwargs))  # fmt: skip
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                self.check(synthetic(self.skeleton, device, self.seed), hidden, args, kwargs)
+        except VerificationError as err:
+            raise StructureChanged(
+                f"{self.what} was verified on a call with {describe_structure(self.first)}, and is now called with"
+                f" {describe_structure(now)}, on which its stack does not reproduce it ({err}). Make the first batch"
+                " of the kind the run trains on (packed rows first, if any are packed), give the model an explicit"
+                " attention mask (attn_implementation='sdpa' builds the document mask from position_ids), or train"
+                " this model without splitting its blocks (pipeline, data parallelism)"
+            ) from err
+        self.known.add(now)

@@ -30,7 +30,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.verify import check_structure
 from lightning_parallel.pipeline.capture import substitute, wrap_output
 from lightning_parallel.pipeline.helix_schedule import attention_stage
 from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext, detached
@@ -48,7 +47,7 @@ class HelixRuntime(PipelineRuntime):
         # per layer, set once verified (the strategy's first step): a Split, or under sequence parallelism a
         # SplitOverSequence (its parts take the micro-batch's sequence shard)
         self.splits: list[Any] = []
-        self.structures: list[tuple] = []  # per layer, the call structure its split was verified on
+        self.verdicts: list[Any] = []  # per layer, the call structures its split is verified on (Verdicts)
         self.folds, self.recompute = folds, recompute
         self.specs: dict[tuple, Any] = {}  # (kind, layer, trunk input's shape and dtype) -> the message's spec
         self.num_layers = len(self.trunk)
@@ -97,11 +96,9 @@ class HelixRuntime(PipelineRuntime):
     def _capture(self, ctx: StepContext, i: int) -> Any:
         known = i in ctx.captures
         cap = super()._capture(ctx, i)
-        if not known:  # a micro-batch's block arguments, once: of the structure each split was verified on
-            for j, (args, kwargs) in enumerate(cap.block_args[: len(self.structures)]):
-                check_structure(
-                    self.structures[j], args, kwargs, f"layer {j + 1} ({type(self.trunk.blocks[j]).__name__})"
-                )
+        if not known:  # a micro-batch's block arguments, once: each split verified on calls of their structure
+            for j, (args, kwargs) in enumerate(cap.block_args[: len(self.verdicts)]):
+                self.verdicts[j].ensure(cap.trunk_input, args, kwargs)
         return cap
 
     def _attention_stage(self, layer: int, mb: int) -> int:
@@ -299,8 +296,8 @@ class HelixRuntime(PipelineRuntime):
         p = self.num_stages
         pre_stage, post_stage = i % p, (i + 1) % p
         tag = self.tag("E", ev.passes, i)
-        if i < len(self.structures):
-            check_structure(self.structures[i], args, kwargs, f"layer {i + 1} ({type(block).__name__})")
+        if i < len(self.verdicts):
+            self.verdicts[i].ensure(hidden, args, kwargs)
         if i == 0 and self._sequence_parallel:  # the pass's shard, on every stage alike
             ev.shard = self.splits[0].shard(block, hidden, args, kwargs)
         if self.stage == pre_stage:

@@ -212,7 +212,7 @@ def _split(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> tuple[Split | Non
     cropped = crop(batch, seq_len)
     cap, _ = _capture(trunk, lambda: lm.training_step(cropped, 0))
     try:
-        _, split = verified_split(
+        _, split, _ = verified_split(
             trunk.blocks[0], (cap.trunk_input.detach(), *cap.block_args[0]), BlockConfig(split=True)
         )
     except AnatomyError as err:

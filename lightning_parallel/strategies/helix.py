@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.resolve import verified_split
-from lightning_parallel.anatomy.verify import call_structure
+from lightning_parallel.anatomy.verify import Verdicts
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import DP, PP, SP, TP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
@@ -111,7 +111,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         )
         self._folds, self._helix_recompute = folds, recompute == "no_attention"
         self._splits: list[Any] = []  # each layer's verified split, once the first step has placed the model
-        self._structures: list[tuple] = []  # each layer's call structure the split was verified on
+        self._verdicts: list[Verdicts] = []  # each layer's call structures its split is verified on
         self._evaluating = False  # a validation, test or predict loop runs
 
     @property
@@ -152,7 +152,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         )  # fmt: skip
         self.runtime.quiet_step = self._quiet
         self.runtime.splits = self._splits  # placed by an earlier fit with this strategy, or filled at the first step
-        self.runtime.structures = self._structures
+        self.runtime.verdicts = self._verdicts
         self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
         self._metrics = MetricStepper(lm, self.is_loss_stage)
         return [], []
@@ -236,18 +236,18 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         with torch.random.fork_rng(), recording(lm, LogRecorder()), self.precision_plugin.train_step_context():
             step = lambda: lm.training_step(micro[0], *rest, **kwargs)  # noqa: E731
             cap = runtime.capture_step(step, probe=copy.deepcopy(runtime.trunk.blocks[0]).to("meta"))
-        config, winner, layer = self._block_config(), None, self._blocks
+        config, winner, layer, proven = self._block_config(), None, self._blocks, set()
         assert layer is not None
         for j, block in enumerate(runtime.trunk.blocks):  # one block whole at a time
             self._materialize_at_first_call(block)  # a deferred block, kept on meta until now
             sample = (cap.trunk_input.detach(), *cap.block_args[j])
             before, prefix = dict(block.named_parameters()), layer.prefix(j)
             # under tensor parallelism the block is sharded here (its parameters replaced in the optimizers)
-            winner, split = verified_split(block, sample, config, winner, layer.layouts, prefix)
+            winner, split, verdicts = verified_split(block, sample, config, winner, layer.layouts, prefix, j, proven)
             after = dict(block.named_parameters())
             self._replace_parameters([(before[n], p, f"{prefix}{n}") for n, p in after.items() if p is not before[n]])
             self._splits.append(split)
-            self._structures.append(call_structure(*cap.block_args[j]))
+            self._verdicts.append(verdicts)
             drop_parameters(self.optimizers, place_block(j, block, self._splits[j], self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)
         with self._outer_at_rest():  # what the stage stores: the outer part's shards

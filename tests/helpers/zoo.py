@@ -67,6 +67,8 @@ def hf_config(family: str, vocab: int, layers: int):
     if family == "gptj":
         return tf.GPTJConfig(vocab_size=vocab, n_embd=H, n_layer=layers, n_head=4, rotary_dim=4, n_positions=64,
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    if family == "smollm3":  # rotary off in every 4th layer (no_rope_layers [1, 1, 1, 0]): one odd layer of four
+        return tf.SmolLM3Config(**llama_like, pad_token_id=None, bos_token_id=None, eos_token_id=None, **drop)
     if family == "mixtral":
         return tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2, **drop)
     if family == "bert":

@@ -266,7 +266,7 @@ def _helix_parts_rank(rank, world_size):
     block = _gpt_blocks(1).h[0]
     x = torch.randn(8, 16, 32)
     config = BlockConfig(tp_mesh=_mesh((2,), ("tp",)), split=True)
-    _, split = verified_split(block, (x, (), {}), config, None, Layouts.for_config(config), "")
+    _, split, _ = verified_split(block, (x, (), {}), config, None, Layouts.for_config(config), "")
     block.train()
     with Masks() as pre:
         (q, k, v), state = split.pre(block, x, (), {})

@@ -181,9 +181,10 @@ def test_hugging_face_data_collator_with_flattening_matches_one_process(strategy
     assert_parity("flattened", strategy, 2, data_parallel_size=1, dtype="float32", global_batch=4)
 
 
-def test_flash_attention_documents_are_refused_under_sequence_parallelism():
+def test_flash_attention_documents_are_refused_under_ring_attention():
     """flash-attn's variable-length path takes the documents from ``position_ids`` or ``cu_seq_lens_*`` and
-    builds no mask; a sequence shard of that call would attend across documents, so it is refused."""
+    builds no mask; the ring's chunk pairs would attend across documents, so ring mode refuses it. Ulysses gives
+    the function whole rows (and their positions): accepted (trained in tests/strategies/test_flash_attention.py)."""
     import transformers
 
     from lightning_parallel.anatomy.hugging_face import HuggingFaceAnatomy
@@ -208,9 +209,12 @@ def test_flash_attention_documents_are_refused_under_sequence_parallelism():
         ("sdpa", {"position_ids": packed_positions, "cu_seq_lens_q": torch.tensor([0, 5, 16])}, False),
     ]:
         config._attn_implementation = implementation
-        anatomy = HuggingFaceAnatomy(config, (torch.zeros(1, 16, 32), (), kwargs), family_level=True)
+        sample = (torch.zeros(1, 16, 32), (), kwargs)
+        ulysses = HuggingFaceAnatomy(config, sample, family_level=True)
+        ulysses.sequence_args(block, (), kwargs, torch.arange(8))
+        ring = HuggingFaceAnatomy(config, sample, family_level=True, ring=True)
         if refused:
-            with pytest.raises(ConfigurationError, match="use attn_implementation='sdpa'"):
-                anatomy.sequence_args(block, (), kwargs, torch.arange(8))
+            with pytest.raises(ConfigurationError, match="use sequence_parallel_mode='ulysses'"):
+                ring.sequence_args(block, (), kwargs, torch.arange(8))
         else:
-            anatomy.sequence_args(block, (), kwargs, torch.arange(8))
+            ring.sequence_args(block, (), kwargs, torch.arange(8))
