@@ -40,14 +40,17 @@ class LogRecorder:
 
     active: bool = False
     microbatch: int = 0
-    records: dict[str, list[tuple[int, Any, dict]]] = field(default_factory=lambda: defaultdict(list))
+    #: (micro-batch, value, kwargs, token count: set where the value is a token-mean loss, see token_mean.py)
+    records: dict[str, list[tuple[int, Any, dict, Any]]] = field(default_factory=lambda: defaultdict(list))
+    count_of: Any = None  # while the loss is computed: the token count behind a logged value, or None
 
     def log(self, name: str, value: Any, **kwargs: Any) -> None:
         if self.active:  # detached: a record must not keep the step's graph (a split backward retains it)
             from torch.utils._pytree import tree_map
 
+            count = self.count_of(value) if self.count_of is not None else None
             value = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
-            self.records[name].append((self.microbatch, value, kwargs))
+            self.records[name].append((self.microbatch, value, kwargs, count))
 
 
 @contextmanager
@@ -63,9 +66,13 @@ def metrics_of(module: LightningModule) -> dict[str, Metric]:
     return {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
 
 
-def reduce_records(recorder: LogRecorder, shares: list[float]) -> list[tuple[str, Any, dict]]:
-    """One ``(name, value, kwargs)`` per logged name; tensor values reduced over the micro-batches."""
-    out = []
+def reduce_records(recorder: LogRecorder, shares: list[float], dp_group: Any = None) -> list[tuple[str, Any, dict]]:
+    """One ``(name, value, kwargs)`` per logged name; tensor values reduced over the micro-batches: weighted by
+    their token counts where every entry is a token-mean loss (then also over the data-parallel replicas of
+    ``dp_group``, one device's value on every rank: :mod:`lightning_parallel.token_mean`), else by ``shares``."""
+    from lightning_parallel.token_mean import global_means
+
+    out, tokens = [], []
     for name, entries in recorder.records.items():
         kwargs = dict(entries[-1][2])
         value = entries[-1][1]
@@ -77,14 +84,25 @@ def reduce_records(recorder: LogRecorder, shares: list[float]) -> list[tuple[str
             raise ValueError(
                 f"self.log({name!r}, reduce_fx={kwargs['reduce_fx']!r}): pipelining supports mean, sum, max, min"
             )
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu() for _, v, _ in entries])
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu() for _, v, _, _ in entries])
+        dtype = torch.as_tensor(value).dtype if isinstance(value, Tensor) else torch.get_default_dtype()
+        dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
+        if fx == "mean" and all(count is not None for *_, count in entries):
+            counts = torch.stack([count.detach().to(torch.float64).cpu() for *_, count in entries])
+            tokens.append((len(out), ((values * counts).sum(), counts.sum())))
+            out.append((name, None, kwargs, dtype))
+            continue
         if fx == "mean":
-            weights = torch.tensor([shares[i] for i, _, _ in entries], dtype=torch.float64)
+            weights = torch.tensor([shares[i] for i, *_ in entries], dtype=torch.float64)
             reduced = (values * weights).sum() / weights.sum()
         else:
             reduced = getattr(values, fx)()
-        dtype = torch.as_tensor(value).dtype if isinstance(value, Tensor) else torch.get_default_dtype()
-        out.append((name, reduced.to(dtype if dtype.is_floating_point else torch.get_default_dtype()), kwargs))
+        out.append((name, reduced.to(dtype), kwargs))
+    if tokens:
+        means, _ = global_means([pair for _, pair in tokens], dp_group)
+        for (at, _), mean in zip(tokens, means):
+            name, _, kwargs, dtype = out[at]
+            out[at] = (name, mean.cpu().to(dtype), kwargs)
     return out
 
 

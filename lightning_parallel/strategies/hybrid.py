@@ -51,6 +51,7 @@ from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
 from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
+from lightning_parallel.token_mean import CrossEntropyCalls, global_means, say_samples_once
 from lightning_parallel.strategies._pending import PendingBlocksMixin
 from lightning_parallel.strategies._processes import ProcessesMixin
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
@@ -213,6 +214,7 @@ class HybridParallelStrategy(
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb}; give a size in MiB, or 0 to average after the backward")
         self._bucket_cap_mb = bucket_cap_mb
         self._buckets: Optional[GradientBuckets] = None
+        self._token_scale: Optional[Tensor] = None  # this replica's share of a token-mean step (token_mean.py)
         self._save_distributed = save_distributed_checkpoint
         self._vocabulary_parallel = vocabulary_parallel
         check_sharding(data_parallel_sharding)
@@ -300,8 +302,45 @@ class HybridParallelStrategy(
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_first_call("training_step", args, kwargs)
-        with self._explain_sharded_use(), self._heads.active():
-            return super().training_step(*args, **kwargs)
+        self._token_scale = None
+        if self.parallel_dims.dp == 1:
+            with self._explain_sharded_use(), self._heads.active():
+                return super().training_step(*args, **kwargs)
+        # data parallelism: a token-mean loss is weighted by each replica's share of the tokens (token_mean.py)
+        lm = self.lightning_module
+        deferred: list[tuple[str, Any, dict, Tensor]] = []
+        with self._explain_sharded_use(), self._heads.active(), CrossEntropyCalls() as calls:
+            lm.log = _deferring(lm, calls, deferred)  # type: ignore[method-assign]
+            try:
+                output = super().training_step(*args, **kwargs)
+            finally:
+                del lm.log
+        self._token_scale = self._replicas_token_mean(output, calls, deferred)
+        return output
+
+    def _replicas_token_mean(self, output: Any, calls: CrossEntropyCalls, deferred: list) -> Optional[Tensor]:
+        """Log the deferred token-mean values as their mean over every replica's tokens; return the factor that
+        makes this replica's loss its share of the batch's token sum (``replicas x count / all tokens``), or
+        ``None`` where the loss is not a token mean (said once)."""
+        loss = output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, dict) else None
+        count = calls.count_of(loss) if loss is not None else None
+        if count is None and loss is not None:
+            say_samples_once(f"{type(self).__name__} (data_parallel_size={self.parallel_dims.dp})")
+        first = count if count is not None else torch.ones((), dtype=torch.float64)
+        pairs = [(first, first), *((value.detach().to(torch.float64) * c, c) for _, value, _, c in deferred)]
+        means, tokens = global_means(pairs, self.dp_group)  # one all-reduce on every replica, counted or not
+        lm = self.lightning_module
+        for (name, value, kwargs, _), mean in zip(deferred, means[1:]):
+            type(lm).log(lm, name, mean.to(value.device, value.dtype), **kwargs)
+        if count is None:
+            return None
+        return self.parallel_dims.dp * count.to(tokens.device) / tokens
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._token_scale is not None:  # this replica's share of the batch's tokens
+            closure_loss = closure_loss * self._token_scale.to(closure_loss.dtype)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -492,3 +531,17 @@ class HybridParallelStrategy(
         from lightning.pytorch.strategies import StrategyRegistry
 
         StrategyRegistry.register(name, cls, description=description, override=True, **defaults)
+
+
+def _deferring(lm: Any, calls: CrossEntropyCalls, deferred: list) -> Any:
+    """``self.log`` during a data-parallel step: a value that is a token-mean loss waits for the replicas' token
+    counts (logged after the step as one device's value); any other goes to Lightning at once."""
+
+    def log(name: str, value: Any, **kwargs: Any) -> None:
+        count = calls.count_of(value)
+        if count is None or kwargs.get("reduce_fx", "mean") != "mean":
+            type(lm).log(lm, name, value, **kwargs)
+        else:
+            deferred.append((name, value, kwargs, count))
+
+    return log

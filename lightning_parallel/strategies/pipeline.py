@@ -64,6 +64,7 @@ from lightning_parallel.strategies._logging import (
 from lightning_parallel.strategies._processes import SIGTERM_EXIT_CODE
 from lightning_parallel.strategies._stage_local import StageLocalMixin
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.token_mean import CrossEntropyCalls, TokenWeights, global_means, say_samples_once
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
@@ -300,8 +301,8 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             freed = outer.placeholders(self._freed_outer, self.root_device)
             with self.precision_plugin.train_step_context(), no_fast_paths(), freed:
                 self._commit_then_fully_shard(runtime.capture_step, lambda: lm.training_step(micro[0], *rest, **kwargs))
-        accumulate = lm.trainer.accumulate_grad_batches
-        weights = [(s if self._loss_reduction == "mean" else float(s > 0)) / accumulate for s in shares]
+        # each micro-batch's loss weight: its token count where the losses are token means (token_mean.py)
+        weights = TokenWeights(shares, lm.trainer.accumulate_grad_batches, self._loss_reduction)
         params = [p for p in lm.parameters() if p.device.type != "meta"]
         saved = gradients.stash(params)  # Lightning zeroes grads after training_step
         recorder = LogRecorder()
@@ -311,13 +312,16 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
 
             def step() -> Any:
                 recorder.microbatch, recorder.active = i, runtime.phase == "loss" and not padding
-                if not padding:
-                    return lm.training_step(mb, *rest, **kwargs)
-                saved = snapshot_metrics(self._metrics.metrics)
-                try:
-                    return lm.training_step(mb, *rest, **kwargs)
-                finally:
-                    restore_metrics(self._metrics.metrics, saved)
+                if runtime.phase == "loss":  # the loss the schedule's backward is seeded with
+                    with CrossEntropyCalls() as calls:
+                        recorder.count_of = calls.count_of
+                        try:
+                            out = self._run_step(lm, padding, mb, rest, kwargs)
+                        finally:
+                            recorder.count_of = None
+                    weights.learn(i, calls.count_of(loss_of(out)))
+                    return out
+                return self._run_step(lm, padding, mb, rest, kwargs)
 
             return step
 
@@ -327,22 +331,41 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             with self._explain_sharded_use(), self._heads.active():
                 results = runtime.run(self.schedule, [step_of(i, mb) for i, mb in enumerate(micro)], loss_of, weights)
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
-        return self._finish_step(results, recorder, shares)
+        return self._finish_step(results, recorder, shares, weights)
 
-    def _finish_step(self, results: dict, recorder: LogRecorder, shares: list[float]) -> Tensor:
-        """Weight the micro-batch losses on the loss stage; share loss and logs with every rank."""
-        total, logged = None, None
+    def _run_step(self, lm: Any, padding: bool, mb: Any, rest: tuple, kwargs: dict) -> Any:
+        if not padding:
+            return lm.training_step(mb, *rest, **kwargs)
+        saved = snapshot_metrics(self._metrics.metrics)
+        try:
+            return lm.training_step(mb, *rest, **kwargs)
+        finally:
+            restore_metrics(self._metrics.metrics, saved)
+
+    def _finish_step(self, results: dict, recorder: LogRecorder, shares: list[float], weights: TokenWeights) -> Tensor:
+        """Weight the micro-batch losses on the loss stage; share loss and logs with every rank. Token means: the
+        step's loss over every replica's tokens, and the gradients scaled by ``replicas / tokens``
+        (:mod:`lightning_parallel.token_mean`)."""
+        total, logged, scale = None, None, None
         if self.is_loss_stage:
             losses = torch.stack([results[i][0].double() for i in range(len(shares))])
-            weights = torch.tensor(
-                shares if self._loss_reduction == "mean" else [float(s > 0) for s in shares],
-                dtype=torch.float64,
-                device=losses.device,
-            )
-            total = (losses * weights).sum().to(results[0][0].dtype).cpu()
-            logged = reduce_records(recorder, shares)
+            loss_weights = torch.stack([torch.as_tensor(w, dtype=torch.float64).to(losses.device)
+                                        for w in weights.loss_weights()])  # fmt: skip
+            if weights.tokens:
+                (total,), count = global_means([((losses * loss_weights).sum(), loss_weights.sum())], self.dp_group)
+                scale = weights.scale(count, self.parallel_dims.dp)
+            else:
+                total = (losses * loss_weights).sum()
+                if self.parallel_dims.dp > 1 or len(shares) > 1:
+                    say_samples_once(f"{type(self).__name__} ({len(shares)} micro-batches, dp={self.parallel_dims.dp})")
+            total = total.to(results[0][0].dtype).cpu()
+            logged = reduce_records(recorder, shares, self.dp_group)
         src = self.stage_rank(self.loss_stage)
-        total = replay_logs(self.lightning_module, logged, self._metrics, total, src, self.pp_group, self.root_device)
+        total, scale = replay_logs(self.lightning_module, logged, self._metrics, (total, scale), src, self.pp_group,
+                                   self.root_device)  # fmt: skip
+        if scale is not None and scale != 1.0:  # seeds in token counts: over all tokens, x the replicas dp divides by
+            for grad in self._grad_buffer.values():
+                grad.mul_(scale)
         return total.to(self.root_device)
 
     def _check_same_batch(self, batch: Any) -> None:

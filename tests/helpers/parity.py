@@ -56,6 +56,7 @@ class Records:
     losses: list[Tensor] = field(default_factory=list)
     params: list[dict[str, Tensor]] = field(default_factory=list)
     anatomy: list[str] = field(default_factory=list)  # which anatomy served each composed block (or helix split)
+    logged: list[Tensor | None] = field(default_factory=list)  # the logged "train_loss" of every batch, if any
 
 
 class Recorder(L.Callback):
@@ -81,6 +82,8 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
         self.records.losses.append(loss.cpu().clone())
+        logged = trainer.callback_metrics.get("train_loss")  # as the module logged it (one device's value)
+        self.records.logged.append(None if logged is None else logged.detach().cpu().clone())
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.records.params.append(self._params(trainer))
 
@@ -303,13 +306,16 @@ def assert_parity(
     callbacks: Callable[[], list] | None = None,
     comm_check: bool | None = None,
     host_check: bool = False,
+    logged_loss: bool = False,
     **trainer_kwargs: Any,
 ) -> list[Records]:
     """Train ``model`` under ``strategy()`` on ``world_size`` ranks and single-process; assert equality.
 
     ``strategy`` is a zero-argument factory called inside each rank. ``trainer_kwargs`` (e.g.
     ``accumulate_grad_batches``, ``gradient_clip_val``) go to both Trainers; ``callbacks()`` (e.g. the
-    profilers, which must not change numerics) only to the parallel one. ``comm_check`` (default: on unless
+    profilers, which must not change numerics) only to the parallel one. ``logged_loss``: compare the module's
+    logged ``train_loss`` of every batch on every rank (one device's value), instead of the step's returned loss
+    averaged over the replicas. ``comm_check`` (default: on unless
     ``LP_COMM_CHECK=0``) checks the parallel run's communication against NCCL's rules (module docstring).
     """
     optimizer = optimizer or ("adamw" if dtype == "float64" else "sgd")
@@ -331,7 +337,7 @@ def assert_parity(
             del os.environ["LP_COMM_HOST"]
         else:
             os.environ["LP_COMM_HOST"] = before
-    return _compare(per_rank, ref, dtype, model, steps)
+    return _compare(per_rank, ref, dtype, model, steps, logged_loss)
 
 
 def _run_parallel(
@@ -349,7 +355,8 @@ def _run_parallel(
     )
 
 
-def _compare(per_rank: list[Records], ref: Records, dtype: str, model: str, steps: int) -> list[Records]:
+def _compare(per_rank: list[Records], ref: Records, dtype: str, model: str, steps: int,
+             logged_loss: bool = False) -> list[Records]:  # fmt: skip
     tol = TOLERANCES[dtype]
     for rank, got in enumerate(per_rank):
         where = f"{model} {dtype} rank {rank}"
@@ -359,7 +366,9 @@ def _compare(per_rank: list[Records], ref: Records, dtype: str, model: str, step
                 f"{where}: {len(got.losses)} losses / {len(got.params)} steps, "
                 f"single process had {len(ref.losses)} / {len(ref.params)}"
             )
-        for i, (a, b) in enumerate(zip(got.losses, ref.losses)):
+        got_losses, ref_losses = (got.logged, ref.logged) if logged_loss else (got.losses, ref.losses)
+        assert not logged_loss or all(v is not None for v in [*got_losses, *ref_losses]), f"{where}: no train_loss"
+        for i, (a, b) in enumerate(zip(got_losses, ref_losses)):
             torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i, w=where: f"{w}, loss of batch {i}: {m}")
         for step, (a, b) in enumerate(zip(got.params, ref.params)):
             _assert_params(a, b, f"{where}, parameters after step {step + 1}", tol)
