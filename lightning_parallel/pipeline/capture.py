@@ -33,6 +33,13 @@ class _TrunkExit(BaseException):
     """Raised by the last block's recorder to abandon the rest of the user's step."""
 
 
+NONE_RETURNED = (
+    "training_step returned None: on one device Lightning skips that batch, but a pipeline runs all the micro-batches"
+    " of a batch through one schedule and cannot skip one of them; leave the batch out in the data (or return the"
+    " loss times 0 to train on nothing)"
+)
+
+
 class TrunkCallError(RuntimeError):
     """The step does not call the trunk the way pipelining needs (once, in order, hidden state chained).
 
@@ -144,10 +151,12 @@ def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
 
     with _forwards(trunk.blocks, make, hooks=False):
         try:
-            step()
+            out = step()
         except _TrunkExit:
             pass
         else:
+            if out is None:
+                raise TrunkCallError(NONE_RETURNED)
             raise TrunkCallError(
                 f"the step returned after calling {state['next']} of the {n} blocks of trunk {trunk.path!r}"
             )
@@ -198,6 +207,8 @@ def loss_of(output: Any) -> Tensor:
     """The loss in a ``training_step``'s output: the tensor itself, or a dict's ``"loss"``."""
     if isinstance(output, Tensor):
         return output
+    if output is None:
+        raise ValueError(NONE_RETURNED)
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
         return output["loss"]
     raise ValueError(

@@ -346,8 +346,9 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         """Weight the micro-batch losses on the loss stage; share loss and logs with every rank. Token means: the
         step's loss over every replica's tokens, and the gradients scaled by ``replicas / tokens``
         (:mod:`lightning_parallel.token_mean`)."""
-        total, logged, scale = None, None, None
+        total, logged, scale, extras = None, None, None, None
         if self.is_loss_stage:
+            extras = step_extras([results[i][1] for i in range(len(shares))], shares)
             losses = torch.stack([results[i][0].double() for i in range(len(shares))])
             loss_weights = torch.stack([torch.as_tensor(w, dtype=torch.float64).to(losses.device)
                                         for w in weights.loss_weights()])  # fmt: skip
@@ -361,12 +362,14 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             total = total.to(results[0][0].dtype).cpu()
             logged = reduce_records(recorder, shares, self.dp_group)
         src = self.stage_rank(self.loss_stage)
-        total, scale = replay_logs(self.lightning_module, logged, self._metrics, (total, scale), src, self.pp_group,
-                                   self.root_device)  # fmt: skip
+        total, scale, extras = replay_logs(self.lightning_module, logged, self._metrics, (total, scale, extras), src,
+                                           self.pp_group, self.root_device)  # fmt: skip
         if scale is not None and scale != 1.0:  # seeds in token counts: over all tokens, x the replicas dp divides by
             for grad in self._grad_buffer.values():
                 grad.mul_(scale)
-        return total.to(self.root_device)
+        if extras is None:
+            return total.to(self.root_device)
+        return {"loss": total.to(self.root_device), **{k: _to(v, self.root_device) for k, v in extras.items()}}
 
     def _check_same_batch(self, batch: Any) -> None:
         """Every rank of one replica must train on the same batch: compare a checksum."""
@@ -514,3 +517,35 @@ def _check_padding(lm: nn.Module, samples: int, num_microbatches: int) -> None:
         f" with {num_microbatches - samples} padding micro-batch(es) of weight 0 (exact, but they cost compute; an"
         " epoch's last batch does this, a batch size below num_microbatches does it every step)"
     )
+
+
+def step_extras(outputs: list[Any], shares: list[float]) -> Optional[dict[str, Any]]:
+    """The keys besides ``"loss"`` of the dicts the micro-batches' steps returned, as one device's step over the
+    whole batch returns them: a number or a scalar tensor as the micro-batches' mean weighted by their share of the
+    samples; a tensor with a row per sample as the rows of the batch, in order. ``None`` when the steps returned
+    the loss alone. Anything else cannot be assembled from micro-batches and is refused, naming the key."""
+    real = [(o, s) for o, s in zip(outputs, shares) if s > 0]
+    if not isinstance(real[0][0], dict) or set(real[0][0]) == {"loss"}:
+        return None
+    extras: dict[str, Any] = {}
+    for key in (k for k in real[0][0] if k != "loss"):
+        values = [o[key] for o, _ in real]
+        if all(isinstance(v, (int, float)) or isinstance(v, Tensor) and v.dim() == 0 for v in values):
+            weighted = sum(torch.as_tensor(v, dtype=torch.float64).cpu() * s for v, (_, s) in zip(values, real))
+            first = values[0]
+            extras[key] = weighted.to(first.dtype) if isinstance(first, Tensor) and first.is_floating_point() else (
+                weighted if isinstance(first, Tensor) else float(weighted))  # fmt: skip
+        elif all(isinstance(v, Tensor) and v.dim() > 0 for v in values):
+            extras[key] = torch.cat([v.detach().cpu() for v in values])
+        else:
+            kinds = sorted({type(v).__name__ for v in values})
+            raise ValueError(
+                f"training_step returned {key!r} of type {', '.join(kinds)}: a pipeline assembles a returned dict's"
+                " values from its micro-batches (numbers and scalar tensors as a mean, tensors with a row per sample"
+                " as the batch's rows); return one of those, or log the value with self.log"
+            )
+    return extras
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, Tensor) else value
