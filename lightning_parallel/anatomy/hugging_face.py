@@ -266,6 +266,13 @@ class HuggingFaceAnatomy:
         mask = argument(block, args, kwargs, "attention_mask")
         return mask if isinstance(mask, Tensor) else None
 
+    def tp_plan_styles(self, block: nn.Module) -> dict[str, str]:
+        """The config's ``base_model_tp_plan`` entries of this block, by module, in transformers' style names
+        (empty without one)."""
+        plan = getattr(self.hf_config, "base_model_tp_plan", None) or {}
+        names = {n for n, _ in block.named_modules()}
+        return {k.split(".*.", 1)[1]: v for k, v in plan.items() if ".*." in k and k.split(".*.", 1)[1] in names}
+
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
         plan = getattr(self.hf_config, "base_model_tp_plan", None)
         if not plan:
@@ -333,7 +340,13 @@ class HuggingFaceAnatomy:
         resolve_calls(program.gm, calls)
         if config.mlp_module is None and isinstance(getattr(block, "mlp", None), nn.Module):
             config = replace(config, mlp_module="mlp")  # the family's MLP, as local_forward chunks it (a mixture too)
-        split = TracedAnatomy(program, type(block).__name__).helix_split(block, config, tp_layout, prefix)
+        wanted = None
+        if config.tp > 1:  # a plan given is applied or refused, never ignored
+            from lightning_parallel import tensor_parallel as tp
+
+            wanted = (("tp_plan=", tp.expand_plan(block, dict(config.tp_plan))) if config.tp_plan
+                      else ("the config's base_model_tp_plan", self.tp_plan_styles(block)))  # fmt: skip
+        split = TracedAnatomy(program, type(block).__name__).helix_split(block, config, tp_layout, prefix, wanted)
         return replace(split, name="hugging_face", heads_dim=2, attention_call=_call_of(*calls.values()))
 
 

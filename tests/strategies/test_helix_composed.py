@@ -158,3 +158,61 @@ def test_the_refusal_names_mlp_chunks_1():
 
     with pytest.raises(RankFailed, match=r"pass mlp_chunks=1 \(the MLP unchunked"):
         run_distributed(_hint, 4, init_process_group=False, timeout=120)
+
+
+# ------------------------------------------------------------------- a plan given under helix x tp: applied or refused
+def _qwen3(base_plan_override=None):  # type: ignore[no-untyped-def]
+    from tests.helpers.zoo import CharDataModule, HFCausalLM
+
+    data = CharDataModule(block_size=16, batch_size=8, shuffle=False)
+    module = HFCausalLM("qwen3", data.vocab_size, num_layers=2)
+    if base_plan_override:
+        module.model.config.base_model_tp_plan = {**module.model.config.base_model_tp_plan, **base_plan_override}
+    return module, data
+
+
+DERIVED = {"self_attn.[qkv]_proj": "colwise", "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise",
+           "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}  # fmt: skip
+
+
+def _fit_qwen3(rank, world, tp_plan, base_plan_override):  # type: ignore[no-untyped-def]
+    import torch
+
+    from tests.helpers.trainers import quick_fit
+
+    torch.manual_seed(0)
+    module, data = _qwen3(base_plan_override)
+    strategy = HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan=tp_plan)
+    quick_fit(module, data, strategy, world, steps=1)
+
+
+@pytest.mark.parametrize(
+    "tp_plan,base_override,named",
+    [
+        ({**DERIVED, "self_attn.q_proj": "rowwise"}, None, "self_attn.q_proj: rowwise in tp_plan=, colwise in the"),
+        (None, {"layers.*.mlp.down_proj": "colwise"}, "mlp.down_proj: colwise in the config's base_model_tp_plan"),
+    ],
+    ids=["tp_plan", "base_model_tp_plan"],
+)
+def test_a_plan_the_helix_split_would_not_apply_is_refused(tp_plan, base_override, named):
+    from tests.helpers.distributed import RankFailed, run_distributed
+
+    with pytest.raises(RankFailed) as failed:
+        run_distributed(_fit_qwen3, 4, tp_plan, base_override, init_process_group=False, timeout=120)
+    assert named in str(failed.value), str(failed.value)[-3000:]
+
+
+@pytest.mark.slow
+def test_a_plan_equal_to_the_derived_one_is_applied(monkeypatch):
+    from tests.helpers import parity
+
+    def build(model, batch_size, optimizer, seed=0):  # type: ignore[no-untyped-def]
+        import torch
+
+        torch.manual_seed(seed)
+        return _qwen3()
+
+    monkeypatch.setattr(parity, "build", build)
+    per_rank = assert_parity("qwen3-derived-plan", helix(tensor_parallel_size=2, tp_plan=DERIVED), 4,
+                             data_parallel_size=1, dtype="float32")  # fmt: skip
+    assert len(per_rank[0].anatomy) == 2, per_rank[0].anatomy

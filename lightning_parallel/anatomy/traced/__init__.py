@@ -32,9 +32,10 @@ def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any
     x, args, kwargs = sample
     if config.tp_sequence_parallel:
         raise Unsupported("tp_sequence_parallel=True is served by hand-written adapters only")
-    if config.tp > 1 and config.tp_plan is not None:
+    if config.tp > 1 and config.tp_plan is not None and not config.split:
         raise Unsupported(
-            "a user's tp_plan= is applied through an adapter or the block's own forward, not a traced graph"
+            "a user's tp_plan= is applied through an adapter or the block's own forward, not a traced graph (under"
+            " HelixPipe, a traced graph takes a tp_plan= equal to the plan it derives)"
         )
     return TracedAnatomy(trace(block, x, args, kwargs), type(block).__name__)
 
@@ -99,17 +100,26 @@ class TracedAnatomy:
         recipe = _Recipe(self.program, config, plan, self.block_name)
         return GraphForward(recipe, {self.program.training: recipe.transform(self.program)})
 
-    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "") -> Split:
+    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "",
+                    wanted: tuple[str, dict[str, str]] | None = None) -> Split:  # fmt: skip
         """The graph cut at its attention call (HelixPipe); under ``config.tp > 1`` the block's parameters are
         sharded by the plan derived from the graph and the graph is localised to the shards first, so the
-        parts run on this rank's heads (Megatron's f and g inside ``pre`` and ``post``)."""
+        parts run on this rank's heads (Megatron's f and g inside ``pre`` and ``post``). ``wanted``: a plan the
+        user or the model gave (its name, module -> ``"colwise"`` / ``"rowwise"``), which the derived one must
+        equal on the modules it names (:func:`~lightning_parallel.anatomy.traced.tensor.check_wanted`)."""
         from lightning_parallel.anatomy.traced.regions import split
 
         program, site = self.program, self.site
         if config.tp > 1:
-            from lightning_parallel.anatomy.traced.tensor import derive, localise, shard
+            from lightning_parallel.anatomy.traced.tensor import check_wanted, derive, localise, shard
 
             plan = derive(program, config.tp)
+            if wanted is None and config.tp_plan:
+                from lightning_parallel.tensor_parallel import expand_plan
+
+                wanted = ("tp_plan=", expand_plan(block, dict(config.tp_plan)))
+            if wanted is not None:
+                check_wanted(plan, *wanted, type(block).__name__)
             shard(block, plan, config.tp_mesh, tp_layout, prefix)
             program = localise(program, config.tp_mesh, plan)
             site = analyse(program)

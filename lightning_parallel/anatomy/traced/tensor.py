@@ -227,6 +227,28 @@ def _slab_dims(value: Any, ranks: dict[Any, Tensor], tp: int, node: fx.Node) -> 
     raise Unsupported(f"{node.name} is not a slab of whole heads or columns per rank")
 
 
+def check_wanted(plan: Plan, what: str, wanted: dict[str, str], block_name: str) -> None:
+    """Refuse a derived ``plan`` that differs from ``wanted`` (module -> ``"colwise"`` / ``"rowwise"``; other
+    styles are not compared) on a module ``wanted`` names: a colwise module's weight sharded on dim 0, a
+    rowwise one's on dim 1. The derived plan is the one that runs (and is verified); a plan given and silently
+    not applied would be a promise broken."""
+    dims = {"colwise": 0, "rowwise": 1}
+    differ = []
+    for module, style in sorted(wanted.items()):
+        if style not in dims:
+            continue
+        got = plan.parameters.get(f"{module}.weight")
+        derived = "replicated" if got is None else {0: "colwise", 1: "rowwise"}.get(got[0], f"dim {got[0]}")
+        if derived != style:
+            differ.append(f"{module}: {style} in {what}, {derived} in the derived plan")
+    if differ:
+        raise ConfigurationError(
+            f"HelixPipe x tensor parallelism shards {block_name} by the plan derived from its traced graph, which"
+            f" differs from {what}: {'; '.join(differ)}. Drop the plan (the derived one is verified against the"
+            " block), or use strategy='tensor_parallel' (which applies it) or a hand-written adapter="
+        )
+
+
 # ---------------------------------------------------------------------------------------- localise
 def shard(block: nn.Module, plan: Plan, mesh: Any, layout: Any, prefix: str) -> None:
     """Shard ``block``'s parameters per ``plan``, recording permutations and partial gradients in ``layout``."""
