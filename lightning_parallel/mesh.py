@@ -67,13 +67,16 @@ class ParallelDims:
         product = math.prod(fixed.values())
         described = " * ".join(f"{ARGUMENT_NAMES[a]}={s}" for a, s in fixed.items())
         if world_size % product:
-            raise ValueError(f"{described} = {product} does not divide world size {world_size}")
+            raise ValueError(
+                f"{described} = {product} does not divide world size {world_size} (devices x num_nodes); use a"
+                f" multiple of {product} processes (devices={product} on one node), or other sizes"
+            )
         if auto:
             fixed[auto[0]] = world_size // product
         elif product != world_size:
             raise ValueError(
-                f"{described} = {product}, but the world size is {world_size}"
-                " (devices x num_nodes); set one size to 'auto' or make the product match"
+                f"{described} = {product}, but the world size is {world_size} (devices x num_nodes); pass"
+                f" devices={product} (on one node), set one size to 'auto', or make the product match"
             )
         return cls(**fixed)
 

@@ -89,4 +89,35 @@ def _row(ids: list[int], pos: list[int], labels: list[int]) -> dict[str, Tensor]
     }
 
 
-__all__ = ["IGNORE_INDEX", "document_ids", "document_mask", "is_packed", "pack_documents"]
+def pad_to_multiple_of(batch: dict[str, Tensor], multiple: int, pad_id: int = 0) -> dict[str, Tensor]:
+    """``batch`` (one packed row or a batch of rows) padded along the token dim (the last) to a multiple of
+    ``multiple`` tokens, so that sequence parallelism can split rows of any length (sp divides the length, 2 x sp
+    in ring mode), e.g. ``DataCollatorWithFlattening``'s::
+
+        collate = lambda docs: pad_to_multiple_of(DataCollatorWithFlattening()(docs), 2 * sp)
+
+    The padding is one document of its own: ``input_ids`` ``pad_id``, ``position_ids`` 0, 1, ... (a new document,
+    so no real token attends to it, under a document mask or flash-attention's variable-length path, and causal
+    attention keeps it out anyway at the end of a row), ``labels`` -100 (no loss: a token-mean loss is unchanged),
+    ``attention_mask`` 0; any other tensor with the tokens' length is padded with 0."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be positive, got {multiple}")
+    length = batch["input_ids"].shape[-1]
+    extra = -length % multiple
+    if extra == 0:
+        return dict(batch)
+    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+    out = {}
+    for key, value in batch.items():
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[-1] != length:
+            out[key] = value
+        elif key == "position_ids":
+            tail = torch.arange(extra, dtype=value.dtype, device=value.device).expand(*value.shape[:-1], extra)
+            out[key] = torch.cat([value, tail], dim=-1)
+        else:
+            tail = value.new_full((*value.shape[:-1], extra), fill.get(key, 0))
+            out[key] = torch.cat([value, tail], dim=-1)
+    return out
+
+
+__all__ = ["IGNORE_INDEX", "document_ids", "document_mask", "is_packed", "pack_documents", "pad_to_multiple_of"]

@@ -77,7 +77,9 @@ class SequenceShard:
         if length % parts:
             raise ConfigurationError(
                 f"sequence parallelism needs the sequence length ({length}) to be divisible by"
-                f" {'2 x ' if parts > sp else ''}sequence_parallel_size ({parts}); pad the batch or change"
+                f" {'2 x ' if parts > sp else ''}sequence_parallel_size ({parts}); pad the batch to a multiple of"
+                f" {parts} tokens (packed rows: lightning_parallel.packing.pad_to_multiple_of(batch, {parts}) in the"
+                " collate function; the padding is a document of its own without labels) or change"
                 " sequence_parallel_size"
             )
         if mode != "ring":

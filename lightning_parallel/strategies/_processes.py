@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -122,6 +123,15 @@ class ProcessesMixin:
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
+    def _layout_line(self, dims: ParallelDims) -> str:
+        """One line for the log: the sizes, and which sequence parallelism runs."""
+        sizes = f"dp={dims.dp} pp={dims.pp} sp={dims.sp} tp={dims.tp} on {dims.world_size} processes"
+        mode = getattr(self, "_sp_mode", None)  # set by HybridParallelStrategy
+        if dims.sp > 1 and mode is not None:
+            what = "Ulysses (all-to-all, sp divides the heads)" if mode == "ulysses" else "ring attention (zig-zag)"
+            sizes += f"; sequence parallelism: {what}"
+        return sizes
+
     def _refuse_unused(self, dims: ParallelDims) -> None:
         """Every argument given must take effect in the resolved layout (an ignored one is an error)."""
         needs = {
@@ -154,6 +164,7 @@ class ProcessesMixin:
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._mesh = dims.build_mesh(self.root_device.type)
+        rank_zero_info(f"lightning-parallel {self.strategy_name}: {self._layout_line(dims)}")
         self._lanes = None
         if dims.pp > 1:  # every rank makes every pipeline group's lanes
             grid = self._mesh.mesh.movedim(AXES.index(PP), -1).reshape(-1, dims.pp).tolist()

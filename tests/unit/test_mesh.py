@@ -21,6 +21,8 @@ def test_explicit_sizes_must_multiply_to_world_size():
         ValueError, match=r"data_parallel_size=1 \* pipeline_parallel_size=2.* = 2, but the world size is 4"
     ):
         ParallelDims.resolve(4, dp=1, pp=2)
+    with pytest.raises(ValueError, match=r"pass devices=2 \(on one node\)"):  # the devices= that fits
+        ParallelDims.resolve(4, dp=1, pp=2)
 
 
 def test_size_that_does_not_divide_world_size():
@@ -33,8 +35,17 @@ def test_product_that_does_not_divide_world_size():
         ValueError, match=r"pipeline_parallel_size=2 \* .*tensor_parallel_size=4 = 8 does not divide world size 4"
     ):
         ParallelDims.resolve(4, pp=2, tp=4)
-    with pytest.raises(ValueError, match=r"= 4 does not divide world size 6"):
+    with pytest.raises(ValueError, match=r"= 4 does not divide world size 6.*devices=4 on one node"):
         ParallelDims.resolve(6, pp=2, sp=2)
+
+
+def test_the_log_line_names_the_sizes_and_the_sequence_parallel_mode():
+    from lightning_parallel import HybridParallelStrategy
+
+    for mode, named in (("ulysses", "Ulysses (all-to-all"), ("ring", "ring attention")):
+        strategy = HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, sequence_parallel_mode=mode)
+        line = strategy._layout_line(ParallelDims(dp=1, pp=1, sp=2, tp=1))
+        assert "dp=1 pp=1 sp=2 tp=1 on 2 processes" in line and named in line, line
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True, None])

@@ -52,3 +52,32 @@ def test_under_documents_the_ring_pairs_its_busiest_chunks_with_its_idlest():
     assert sorted(per_rank) == [3, 3, 4, 4], (chunks, per_rank)  # the zig-zag: 2, 3, 6, 3
     additive = torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, torch.finfo(torch.float32).min)
     assert balanced_chunks(additive, 4) == chunks
+
+
+def test_padding_a_flattened_row_changes_neither_the_loss_nor_the_gradients():
+    """A row of 37 tokens (three documents, DataCollatorWithFlattening's layout) padded to 40 for sp=4: the padding
+    is a document of its own without labels, so the Hugging Face Llama's loss and every gradient are unchanged."""
+    import transformers
+
+    from lightning_parallel.packing import pad_to_multiple_of
+    from tests.helpers.zoo import hf_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config("llama", 65, 2)).double()
+    g = torch.Generator().manual_seed(0)
+    row = pack_documents([torch.randint(0, 65, (n,), generator=g) for n in (10, 20, 7)], 37)[0]
+    row = {k: v[None] for k, v in row.items()}
+    padded = pad_to_multiple_of(row, 8)
+    assert padded["input_ids"].shape == (1, 40) and padded["labels"][0, 37:].eq(-100).all()
+    assert padded["position_ids"][0, 37:].tolist() == [0, 1, 2]
+    results = []
+    for batch in (row, padded):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)  # the model's loss upcasts logits to float32
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-9, msg=name)
+    assert pad_to_multiple_of(padded, 8)["input_ids"].shape == (1, 40)  # already a multiple: unchanged
