@@ -211,6 +211,9 @@ def initialize_(root: nn.Module, seed: int) -> None:
         _family_init(root, {id(m) for m in root.modules()}, seed, everything)
 
 
+_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of Tensor.data (a mode sees its __get__)
+
+
 class InitWrites(TorchFunctionMode):
     """Records in-place writes into parameters on the meta device that :func:`materialize_` will not repeat:
     any outside a module's own ``reset_parameters()`` (``_reset_parameters()``) and outside a Hugging Face
@@ -218,8 +221,8 @@ class InitWrites(TorchFunctionMode):
     runs on meta: a model's own initialisation there (nanoGPT's ``self.apply(self._init_weights)`` in its
     constructor, timm's ``init_weights``, ``nn.init.normal_`` on a built module) writes nothing on meta, and the
     values would silently be ``reset_parameters()``'s instead. ``writes``: ``(where, what)`` of each, in order.
-    Seen: tensor methods and ``torch.nn.init``'s functions called on an ``nn.Parameter``; not seen: a write
-    through ``.data`` (a plain tensor by then), which Hugging Face's code uses and nanoGPT's and timm's do not."""
+    Seen: tensor methods and ``torch.nn.init``'s functions called on an ``nn.Parameter``, or on its ``.data``
+    (the alias ``.data`` returns is remembered while the mode is open)."""
 
     _KEPT = ("reset_parameters", "_reset_parameters")
     _NOT_VALUES = ("requires_grad_", "share_memory_", "retain_grad_")  # in place, but no value written
@@ -227,6 +230,7 @@ class InitWrites(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.writes: list[tuple[str, str]] = []
+        self._aliases: list[Tensor] = []  # the .data of meta parameters handed out (meta: no memory)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = getattr(func, "__name__", "")
@@ -234,11 +238,17 @@ class InitWrites(TorchFunctionMode):
             name == "__setitem__"
         )
         target = args[0] if args else (kwargs or {}).get("tensor")  # torch.nn.init's functions take tensor=
-        if in_place and isinstance(target, nn.Parameter) and target.is_meta:
+        if in_place and isinstance(target, Tensor) and target.is_meta and self._a_parameter(target):
             where = self._lost_at()
             if where is not None:
                 self.writes.append((where, f"{name} on a parameter of shape {tuple(target.shape)}"))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__self__", None) is _DATA and isinstance(target, nn.Parameter) and target.is_meta:
+            self._aliases.append(out)
+        return out
+
+    def _a_parameter(self, t: Tensor) -> bool:
+        return isinstance(t, nn.Parameter) or any(t is alias for alias in self._aliases)
 
     def _lost_at(self) -> Optional[str]:
         """The user's line of a write materialisation does not repeat, or ``None`` for one it does."""

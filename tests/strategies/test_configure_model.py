@@ -115,3 +115,32 @@ def test_a_models_own_initialisation_in_configure_model_is_refused_on_meta_never
     # configure_model_on_meta=False keeps the model's own initialisation (nanoGPT's std 0.02 for wpe, not N(0, 1))
     std = run_distributed(_fit_initialising, 2, False, init_process_group=False)[0]
     assert 0.015 < std < 0.025, std
+
+
+class _WritesThroughData(DeferredGPT):
+    """An initialisation written through ``.data`` (the old idiom): a plain tensor by then, which the watch of
+    parameters did not see, so the values were lost silently (the run trained from reset_parameters()'s)."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "lm_head"):
+            self._build()
+            for p in self.parameters():
+                p.data.normal_(0.0, 0.02)
+
+
+def _fit_writing_data(rank, world_size):
+    from examples.data import CharDataModule
+    from tests.helpers.trainers import quick_fit
+
+    torch.manual_seed(0)
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2)
+    quick_fit(_WritesThroughData(n_layer=2), CharDataModule(block_size=16, batch_size=4, shuffle=False), strategy,
+              world_size)  # fmt: skip
+
+
+def test_an_initialisation_through_data_is_refused_too():
+    with pytest.raises(RankFailed) as failed:
+        run_distributed(_fit_writing_data, 2, init_process_group=False)
+    text = str(failed.value)
+    assert "wrote initial values into parameters that set-up will not write again" in text, text[-2000:]
+    assert "test_configure_model.py" in text and "normal_" in text
