@@ -325,7 +325,7 @@ class BlockLayer:
         if self.trunk is None:
             return ""
         name = list(dict(self.trunk.container.named_children()))[index]
-        return f"{self.trunk.path}.{name}."
+        return f"{self.trunk.path}.{name}.{self.trunk.inner}"
 
     def groups(self) -> list[Any]:
         return [m.get_group() for m in (self.config.tp_mesh, self.config.sp_mesh) if m is not None and m.size() > 1]

@@ -28,6 +28,7 @@ class Trunk:
     container: nn.Module
     blocks: list[nn.Module]
     hidden_name: str  # name of the block forward's first parameter (the hidden state)
+    inner: str = ""  # between a container entry's name and its block's parameters ("_orig_mod." when compiled)
 
     @property
     def block_names(self) -> list[str]:
@@ -77,11 +78,43 @@ def discover_trunk(module: nn.Module, trunk: str | None = None) -> Trunk:
                 " two or more blocks of one class; name it with trunk='dotted.path.to.blocks'"
             )
         path, container = max(candidates, key=lambda c: _numel(c[1]))
-    blocks = list(container.children())
+    blocks, inner = _uncompiled(path, list(container.children()))
     params = list(inspect.signature(type(blocks[0]).forward).parameters.values())[1:]  # the class's, minus self
     if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
         raise ValueError(f"the blocks of trunk {path!r} ({type(blocks[0]).__name__}) take no hidden-state argument")
-    return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name)
+    return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name, inner=inner)
+
+
+def _uncompiled(path: str, children: list[nn.Module]) -> tuple[list[nn.Module], str]:
+    """The blocks behind ``torch.compile``'s wrappers (each block compiled in ``configure_model``, as torchtitan and
+    Lightning's docs do), and the wrappers' name for them (``"_orig_mod."``, in every parameter's name). The
+    strategies split, shard and recompute the blocks themselves, which a compiled graph of the whole block would
+    bypass, so each wrapper is made to call its block eagerly (its parameters' names stay the compiled model's);
+    the run says so once. Not compiled: ``(children, "")``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not all(isinstance(c, OptimizedModule) for c in children):
+        return children, ""
+    for wrapper in children:
+        wrapper.forward = wrapper._orig_mod.__call__  # eager: the block's own __call__ (its runner, once installed)
+    _say_eager_once(path)
+    return [wrapper._orig_mod for wrapper in children], "_orig_mod."
+
+
+_SAID: set[str] = set()
+
+
+def _say_eager_once(path: str) -> None:
+    if path in _SAID:
+        return
+    _SAID.add(path)
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        f"the blocks of trunk {path!r} were compiled with torch.compile; the strategy splits, shards or recomputes"
+        " them itself, so they run eagerly (the rest of the model stays compiled). Their parameters keep their"
+        " names ('_orig_mod.'), so checkpoints load into the compiled model"
+    )
 
 
 def vocabulary_modules(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, list[tuple[str, nn.Module]]]:
