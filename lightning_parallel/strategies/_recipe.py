@@ -78,6 +78,8 @@ class SetupRecipeMixin:
         # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
         first = self._blocks is None
         trunk = self._blocks.trunk if self._blocks is not None else discover_trunk(lm, self._trunk_path)
+        if first and config.tp > 1:  # what the model's config says, before anything is placed (every rank alike)
+            check_config_heads(trunk.blocks[0], config.tp, config.sp if config.sp_mode == "ulysses" else 1)
         local, freed = self._place_stages(lm, trunk)
         if first:
             # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
@@ -251,3 +253,22 @@ class SetupRecipeMixin:
         if writes.writes:
             (where, what), n = writes.writes[0], len(writes.writes)
             raise ConfigurationError(_INITIALISED_ON_META.format(where=where, what=what, n=n))
+
+
+def check_config_heads(block: torch.nn.Module, tp: int, ulysses: int) -> None:
+    """Refuse head counts tensor parallelism (and Ulysses inside it) cannot split, where the block's Hugging Face
+    config states them: at set-up, before any block is placed, instead of at the first step's verification."""
+    from lightning_parallel.anatomy.flash import configs_of
+    from lightning_parallel.block_protocol import ConfigurationError
+
+    for config in configs_of(block)[:1]:
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        for what, n in (("attention heads", heads), ("key/value heads", kv)):
+            if isinstance(n, int) and n % (tp * ulysses):
+                fits = [d for d in range(1, n + 1) if n % d == 0 and d > 1]
+                raise ConfigurationError(
+                    f"tensor_parallel_size={tp}{f' x sequence_parallel_size={ulysses} (Ulysses)' if ulysses > 1 else ''}"
+                    f" must divide the number of {what} ({n}) of {type(block).__name__} (config"
+                    f" {type(config).__name__}); sizes that divide it: {fits}"
+                )

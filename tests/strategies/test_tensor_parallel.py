@@ -314,3 +314,28 @@ def test_tp2_x_sp2_refuses_a_broken_adapter(mode):
     # verification runs after the whole stack (tensor, then sequence parallelism) is built, on every rank
     with pytest.raises(RankFailed, match=r"adapter 'broken' does not reproduce DecoderLayer: output"):
         run_distributed(_fit_tp_sp, 4, mode, init_process_group=False, timeout=90)
+
+
+def _fit_one_kv_head(rank, world_size):
+    import transformers
+
+    from tests.helpers.trainers import quick_fit
+    from tests.helpers.zoo import CharDataModule, HFCausalLM, hf_config
+
+    torch.manual_seed(0)
+    data = CharDataModule(block_size=16, batch_size=4, shuffle=False)
+    module = HFCausalLM("llama", data.vocab_size)
+    config = hf_config("llama", data.vocab_size, 2)
+    config.num_key_value_heads = 1
+    module.model = transformers.AutoModelForCausalLM.from_config(config)
+    quick_fit(module, data, HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), world_size)
+
+
+def test_head_counts_the_config_states_are_refused_at_set_up():
+    """A Hugging Face config's head counts are checked when set-up finds the trunk, before any block is placed or
+    the first step runs, on every rank, naming the sizes that would divide them."""
+    with pytest.raises(RankFailed) as failed:
+        run_distributed(_fit_one_kv_head, 2, init_process_group=False, timeout=120)
+    text = str(failed.value)
+    assert "must divide the number of key/value heads (1) of LlamaDecoderLayer" in text, text[-2000:]
+    assert "_parallelize" in text and "training_step" not in text
