@@ -1,5 +1,6 @@
 """The coverage matrix: the models users have, as plain LightningModules (tests/helpers/zoo.py),
-under every strategy; each cell reproduces single-process training (float32 with SGD, docs/design.md "Parity tests": the loss
+under every strategy; each cell reproduces single-process training (float32 with SGD, docs/design.md "Parity tests", the
+first loss within 2e-6 relative, tests/helpers/coverage.py FIRST_LOSS_RTOL: the loss
 of every step and every parameter) or ends in one of the library's clear errors, never a silent wrong
 result, an internal traceback or a hang. The packed rows train the same strategies on rows of several
 documents (tests/helpers/packed.py), so a lost document mask cannot come back unseen. One Hugging Face family,
