@@ -51,7 +51,6 @@ from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
 from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
-from lightning_parallel.token_mean import CrossEntropyCalls, global_means, say_samples_once
 from lightning_parallel.strategies._pending import PendingBlocksMixin
 from lightning_parallel.strategies._processes import ProcessesMixin
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
@@ -59,6 +58,7 @@ from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.strategies._tensor import TensorParallelMixin
+from lightning_parallel.token_mean import CrossEntropyCalls, global_means, say_samples_once
 from lightning_parallel.trunk import discover_trunk, materialised_to
 
 log = logging.getLogger(__name__)

@@ -357,7 +357,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
                 scale = weights.scale(count, self.parallel_dims.dp)
             else:
                 total = (losses * loss_weights).sum()
-                if self.parallel_dims.dp > 1 or len(shares) > 1:
+                if self._loss_reduction == "mean" and (self.parallel_dims.dp > 1 or len(shares) > 1):
                     say_samples_once(f"{type(self).__name__} ({len(shares)} micro-batches, dp={self.parallel_dims.dp})")
             total = total.to(results[0][0].dtype).cpu()
             logged = reduce_records(recorder, shares, self.dp_group)
