@@ -129,7 +129,8 @@ def check_heads(block: nn.Module, heads: tuple[int, int], tp: int) -> None:
     for what, n in zip(("attention heads", "key/value heads"), heads):
         if n % tp:
             raise ConfigurationError(
-                f"tensor_parallel_size={tp} must divide the number of {what} ({n}) of {type(block).__name__}"
+                f"tensor_parallel_size={tp} must divide the number of {what} ({n}) of {type(block).__name__};"
+                f" sizes that divide it: {[d for d in range(2, n + 1) if n % d == 0]}"
             )
 
 

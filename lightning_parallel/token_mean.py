@@ -24,6 +24,7 @@ mean. The step's loss and the logged values that are token means are ``sum c_i m
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -77,14 +78,9 @@ def _count(arguments: dict) -> Tensor | None:
         return valid.sum().to(torch.float64)
 
 
-_SAID: set[str] = set()
-
-
+@functools.cache  # said once per kind of run
 def say_samples_once(where: str) -> None:
-    """The loss was not recognised as a token mean: it is weighted by samples (said once per kind of run)."""
-    if where in _SAID:
-        return
-    _SAID.add(where)
+    """The loss was not recognised as a token mean: it is weighted by samples."""
     rank_zero_warn(
         f"{where}: the loss returned by training_step is not the output of a mean-reduced F.cross_entropy, so its"
         " micro-batches / replicas are weighted by their number of samples. That is one device's objective for a mean"

@@ -13,6 +13,7 @@ Blocks of other stages keep their module objects (user code may read their attri
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -101,13 +102,8 @@ def _uncompiled(path: str, children: list[nn.Module]) -> tuple[list[nn.Module], 
     return [wrapper._orig_mod for wrapper in children], "_orig_mod."
 
 
-_SAID: set[str] = set()
-
-
+@functools.cache  # said once per trunk
 def _say_eager_once(path: str) -> None:
-    if path in _SAID:
-        return
-    _SAID.add(path)
     from lightning.pytorch.utilities import rank_zero_warn
 
     rank_zero_warn(

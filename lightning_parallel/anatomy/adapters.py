@@ -74,7 +74,7 @@ def matching_adapters(block: nn.Module) -> list[BlockAdapter]:
     """The hand-written adapters whose attribute names match ``block`` (candidates, still to verify). They compute
     attention with SDPA: a Hugging Face block whose config names another attention function (flash-attention,
     flex, one the user registered) keeps it, through :mod:`lightning_parallel.anatomy.hugging_face`."""
-    from lightning_parallel.anatomy.flash import implementations_of
+    from lightning_parallel.anatomy.hf_config import implementations_of
 
     if implementations_of(block) - {"sdpa", "eager"}:
         return []

@@ -34,36 +34,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from lightning_parallel.anatomy.hf_config import implementations_of
 from lightning_parallel.block_protocol import ConfigurationError
-
-PREFIX = "lightning_parallel_"  # of the attention functions this package registers around a model's own
 
 #: bfloat16 rounds each input to 2^-9 relative; through the scores and the weighted sum of ``v`` that stays far
 #: below this share of ``max|v|``, which any difference of semantics (another set of keys) exceeds
 CROSS_CHECK = 5e-2
-
-
-def configs_of(block: nn.Module) -> list[Any]:
-    from transformers import PretrainedConfig
-
-    seen: dict[int, Any] = {}
-    for module in block.modules():
-        config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
-            seen[id(config)] = config
-    return list(seen.values())
-
-
-def implementations_of(block: nn.Module) -> set[str]:
-    """The attention implementations ``block``'s configs name (as the model has them, without this package's
-    registered wrapper's prefix); empty for a block that is not a Hugging Face block."""
-    if "transformers" not in sys.modules:
-        return set()
-    names = set()
-    for config in configs_of(block):
-        name = getattr(config, "_attn_implementation", None) or "eager"
-        names.add(name[len(PREFIX) :] if name.startswith(PREFIX) else name)
-    return names
 
 
 def flash_like(implementation: str) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from lightning_parallel.anatomy.flash import PREFIX, configs_of
+from lightning_parallel.anatomy.hf_config import PREFIX, configs_of
 from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported, argument
 
 STYLES = {  # base_model_tp_plan style -> this library's module style
@@ -266,27 +266,24 @@ class HuggingFaceAnatomy:
         mask = argument(block, args, kwargs, "attention_mask")
         return mask if isinstance(mask, Tensor) else None
 
-    def tp_plan_styles(self, block: nn.Module) -> dict[str, str]:
-        """The config's ``base_model_tp_plan`` entries of this block, by module, in transformers' style names
-        (empty without one)."""
+    def _plan_entries(self, block: nn.Module, names: set[str]) -> dict[str, str]:
+        """The config's ``base_model_tp_plan`` entries for ``names`` of this block, in transformers' style names."""
         plan = getattr(self.hf_config, "base_model_tp_plan", None) or {}
-        names = {n for n, _ in block.named_modules()}
-        return {k.split(".*.", 1)[1]: v for k, v in plan.items() if ".*." in k and k.split(".*.", 1)[1] in names}
+        entries = ((key.split(".*.", 1)[1], style) for key, style in plan.items() if ".*." in key)  # not embedding/head
+        return {name: style for name, style in entries if name in names}
+
+    def tp_plan_styles(self, block: nn.Module) -> dict[str, str]:
+        """The config's ``base_model_tp_plan`` entries of this block's modules (empty without one)."""
+        return self._plan_entries(block, {n for n, _ in block.named_modules()})
 
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
-        plan = getattr(self.hf_config, "base_model_tp_plan", None)
-        if not plan:
+        if not getattr(self.hf_config, "base_model_tp_plan", None):
             raise Unsupported(f"its config ({type(self.hf_config).__name__}) has no base_model_tp_plan")
         names = {n for n, _ in block.named_modules()} | {n for n, _ in block.named_parameters()}
         out = {}
-        for key, style in plan.items():
-            if ".*." not in key:
-                continue  # the embedding or head, not a block entry
-            name = key.split(".*.", 1)[1]
-            if name not in names:
-                continue
+        for name, style in self._plan_entries(block, names).items():
             if style not in STYLES:
-                raise Unsupported(f"base_model_tp_plan[{key!r}] = {style!r} is not one of {sorted(STYLES)}")
+                raise Unsupported(f"base_model_tp_plan['layers.*.{name}'] = {style!r} is not one of {sorted(STYLES)}")
             out[name] = STYLES[style]
         if not out:
             raise Unsupported("no entry of its base_model_tp_plan names a module of the block")
@@ -340,12 +337,8 @@ class HuggingFaceAnatomy:
         resolve_calls(program.gm, calls)
         if config.mlp_module is None and isinstance(getattr(block, "mlp", None), nn.Module):
             config = replace(config, mlp_module="mlp")  # the family's MLP, as local_forward chunks it (a mixture too)
-        wanted = None
-        if config.tp > 1:  # a plan given is applied or refused, never ignored
-            from lightning_parallel import tensor_parallel as tp
-
-            wanted = (("tp_plan=", tp.expand_plan(block, dict(config.tp_plan))) if config.tp_plan
-                      else ("the config's base_model_tp_plan", self.tp_plan_styles(block)))  # fmt: skip
+        # a plan given is applied or refused, never ignored: tp_plan= (the traced split compares it), else the model's
+        wanted = ("the config's base_model_tp_plan", self.tp_plan_styles(block)) if not config.tp_plan else None
         split = TracedAnatomy(program, type(block).__name__).helix_split(block, config, tp_layout, prefix, wanted)
         return replace(split, name="hugging_face", heads_dim=2, attention_call=_call_of(*calls.values()))
 

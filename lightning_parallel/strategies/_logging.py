@@ -53,8 +53,26 @@ class LogRecorder:
             self.records[name].append((self.microbatch, value, kwargs, count))
 
 
+class TokenMeanLogs:
+    """``self.log`` during a data-parallel step: a value that is a token-mean loss (``count_of`` gives its count,
+    :mod:`lightning_parallel.token_mean`) waits in ``deferred`` for the replicas' token counts, to be logged after
+    the step as one device's value; any other goes to Lightning at once."""
+
+    def __init__(self, module: LightningModule, count_of: Any) -> None:
+        self.module, self.count_of = module, count_of
+        self.deferred: list[tuple[str, Any, dict, Tensor]] = []
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        count = self.count_of(value)
+        if count is None or kwargs.get("reduce_fx", "mean") != "mean":
+            type(self.module).log(self.module, name, value, **kwargs)
+        else:
+            self.deferred.append((name, value, kwargs, count))
+
+
 @contextmanager
-def recording(module: LightningModule, recorder: LogRecorder) -> Iterator[LogRecorder]:
+def recording(module: LightningModule, recorder: Any) -> Iterator[Any]:
+    """``module.log`` goes to ``recorder.log`` while open (a :class:`LogRecorder`, :class:`TokenMeanLogs`)."""
     module.log = recorder.log  # type: ignore[method-assign]
     try:
         yield recorder

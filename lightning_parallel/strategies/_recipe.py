@@ -258,17 +258,11 @@ class SetupRecipeMixin:
 def check_config_heads(block: torch.nn.Module, tp: int, ulysses: int) -> None:
     """Refuse head counts tensor parallelism (and Ulysses inside it) cannot split, where the block's Hugging Face
     config states them: at set-up, before any block is placed, instead of at the first step's verification."""
-    from lightning_parallel.anatomy.flash import configs_of
-    from lightning_parallel.block_protocol import ConfigurationError
+    from lightning_parallel.anatomy.hf_config import stated_heads
+    from lightning_parallel.sequence_parallel import check_heads as check_sequence_heads
+    from lightning_parallel.tensor_parallel import check_heads
 
-    for config in configs_of(block)[:1]:
-        heads = getattr(config, "num_attention_heads", None)
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        for what, n in (("attention heads", heads), ("key/value heads", kv)):
-            if isinstance(n, int) and n % (tp * ulysses):
-                fits = [d for d in range(1, n + 1) if n % d == 0 and d > 1]
-                raise ConfigurationError(
-                    f"tensor_parallel_size={tp}{f' x sequence_parallel_size={ulysses} (Ulysses)' if ulysses > 1 else ''}"
-                    f" must divide the number of {what} ({n}) of {type(block).__name__} (config"
-                    f" {type(config).__name__}); sizes that divide it: {fits}"
-                )
+    heads = stated_heads(block)
+    if heads is not None:
+        check_heads(block, heads, tp)
+        check_sequence_heads(*heads, ulysses, "ulysses", type(block).__name__, tp)

@@ -48,7 +48,7 @@ from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies import _failures, _sharding
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._head import ChunkedHeads
-from lightning_parallel.strategies._logging import MetricStepper
+from lightning_parallel.strategies._logging import MetricStepper, TokenMeanLogs, recording
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
 from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
 from lightning_parallel.strategies._pending import PendingBlocksMixin
@@ -308,14 +308,10 @@ class HybridParallelStrategy(
                 return super().training_step(*args, **kwargs)
         # data parallelism: a token-mean loss is weighted by each replica's share of the tokens (token_mean.py)
         lm = self.lightning_module
-        deferred: list[tuple[str, Any, dict, Tensor]] = []
         with self._explain_sharded_use(), self._heads.active(), CrossEntropyCalls() as calls:
-            lm.log = _deferring(lm, calls, deferred)  # type: ignore[method-assign]
-            try:
+            with recording(lm, TokenMeanLogs(lm, calls.count_of)) as logs:
                 output = super().training_step(*args, **kwargs)
-            finally:
-                del lm.log
-        self._token_scale = self._replicas_token_mean(output, calls, deferred)
+        self._token_scale = self._replicas_token_mean(output, calls, logs.deferred)
         return output
 
     def _replicas_token_mean(self, output: Any, calls: CrossEntropyCalls, deferred: list) -> Optional[Tensor]:
@@ -531,17 +527,3 @@ class HybridParallelStrategy(
         from lightning.pytorch.strategies import StrategyRegistry
 
         StrategyRegistry.register(name, cls, description=description, override=True, **defaults)
-
-
-def _deferring(lm: Any, calls: CrossEntropyCalls, deferred: list) -> Any:
-    """``self.log`` during a data-parallel step: a value that is a token-mean loss waits for the replicas' token
-    counts (logged after the step as one device's value); any other goes to Lightning at once."""
-
-    def log(name: str, value: Any, **kwargs: Any) -> None:
-        count = calls.count_of(value)
-        if count is None or kwargs.get("reduce_fx", "mean") != "mean":
-            type(lm).log(lm, name, value, **kwargs)
-        else:
-            deferred.append((name, value, kwargs, count))
-
-    return log
