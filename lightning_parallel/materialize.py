@@ -1,17 +1,20 @@
 """Deferred initialisation: materialise a model built on the meta device, only what this rank holds.
 
 Lightning's large-model path builds a model without memory: a model built on the meta device in
-``configure_model()`` (``with torch.device("meta"): ...``), or under ``Trainer.init_module(empty_init=True)``
-(which the lightning-parallel strategies make a meta-device context, as Lightning's FSDP does). Set-up
+``configure_model()`` (which the lightning-parallel strategies run on meta), or under
+``Trainer.init_module(empty_init=True)`` (which they make a meta-device context, as Lightning's FSDP does). Set-up
 then places the stages first (the blocks of other stages stay on meta) and calls :func:`materialize_` for
 the rest, which
 
-1. gives every meta tensor that this rank holds real, uninitialised memory on the device (a parameter
-   shared by several modules, such as tied embeddings, stays one parameter), filled with NaN;
-2. initialises module by module: each module that directly owns a materialised tensor runs its own
-   ``reset_parameters()`` (``_reset_parameters()`` for ``nn.MultiheadAttention``), the convention of
-   torch's modules that FSDP and Lightning's ``ModelParallelStrategy`` also rely on, under a generator
-   seeded from ``(seed, the module's qualified name)`` (:func:`module_seed`); then, inside a Hugging
+1. gives every meta tensor that this rank holds real memory on the device (a parameter shared by several
+   modules, such as tied embeddings, stays one parameter). A tensor ``configure_model`` computed (its
+   constructors' resets, the model's own ``self.apply(self._init_weights)``, ``nn.init.*``, a RoPE table) gets
+   the value one process's eager ``configure_model`` gives it, replayed from the recorded calls
+   (:mod:`lightning_parallel.init_replay`); any other is filled with NaN;
+2. initialises the rest module by module: each module that directly owns a NaN-filled tensor (and no replayed
+   one) runs its own ``reset_parameters()`` (``_reset_parameters()`` for ``nn.MultiheadAttention``), the
+   convention of torch's modules that FSDP and Lightning's ``ModelParallelStrategy`` also rely on, under a
+   generator seeded from ``(seed, the module's qualified name)`` (:func:`module_seed`); then, inside a Hugging
    Face model, that model's own ``_init_weights`` on each module, children first (its scheme, and the
    rotary tables no ``reset_parameters()`` computes), as building it eagerly does;
 3. once any checkpoint has been restored (``ckpt_path=``: Lightning restores after set-up), refuses,
@@ -19,25 +22,25 @@ the rest, which
    writes, so integer buffers are caught too): a module without ``reset_parameters()``, a buffer its
    reset does not compute (a RoPE table, say).
 
-The values depend only on the seed and the module's name, not on which rank materialises which module or
-in what order, so one process calling :func:`initialize_` on the whole model gets exactly the same
-parameters: that is the single-process run a deferred layout is compared with (docs/design.md, "Deferred
-initialisation"). A model's own eager initialisation code (e.g. nanoGPT's ``self.apply(_init_weights)``
-in ``__init__``) ran on meta and has no effect; give such modules a ``reset_parameters()``.
+Step 2's values (``Trainer.init_module(empty_init=True)``, where one process would hold uninitialised memory)
+depend only on the seed and the module's name, not on which rank materialises which module or in what order,
+so one process calling :func:`initialize_` on the whole model gets exactly the same parameters: that is the
+single-process run such a layout is compared with (docs/design.md, "Deferred initialisation").
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from lightning_parallel.init_replay import InitTape
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -136,32 +139,43 @@ def materialize_(
     seed: int,
     skip: Iterable[nn.Module] = (),
     only: Optional[Iterable[nn.Module]] = None,
+    tape: Optional[InitTape] = None,
 ) -> Materialized:
     """Materialise and initialise the meta tensors of ``root`` outside the modules in ``skip`` (and, with
     ``only``, inside those modules: one piece at a time, same values); returns what was created, for
-    :func:`check_set` once any checkpoint has been restored."""
+    :func:`check_set` once any checkpoint has been restored. A tensor the ``tape`` of ``configure_model`` covers
+    takes its value from it (one process's eager value); a module holding one is not reset."""
     skipped = {id(m) for s in skip for m in s.modules()}
     inside = None if only is None else {id(m) for s in only for m in s.modules()}
     held = [(n, m) for n, m in root.named_modules() if id(m) not in skipped and (inside is None or id(m) in inside)]
     fresh: dict[int, Tensor] = {}
     owners: list[tuple[str, nn.Module]] = []
     record = Materialized()
+    replayed: set[int] = set()
     for prefix, module in held:
-        owns = False
+        owns = taped = False
         for name, t, is_param in _direct(module):
             if id(t) in fresh or t.is_meta:
                 new = fresh.get(id(t))
                 if new is None:
-                    data = torch.empty_like(t, device=device)
-                    if data.is_floating_point() or data.is_complex():
-                        data.fill_(float("nan"))
+                    from_tape = tape is not None and tape.covers(t)
+                    if from_tape:
+                        assert tape is not None
+                        data = tape.value(t, device)
+                    else:
+                        data = torch.empty_like(t, device=device)
+                        if data.is_floating_point() or data.is_complex():
+                            data.fill_(float("nan"))
                     new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
                     fresh[id(t)] = new
+                    if from_tape:
+                        replayed.add(id(new))
                     qualified = f"{prefix}.{name}" if prefix else name
-                    record.entries.append((qualified, module, name, weakref.ref(new), new._version))
+                    version = -1 if from_tape else new._version  # (a replayed value is set: NaN aside)
+                    record.entries.append((qualified, module, name, weakref.ref(new), version))
                 (module._parameters if is_param else module._buffers)[name] = new
-                owns = True
-        if owns:
+                owns, taped = True, taped or id(new) in replayed
+        if owns and not taped:
             owners.append((prefix, module))
     with _forked_rng(device):
         for prefix, module in owners:
@@ -170,7 +184,8 @@ def materialize_(
                 torch.manual_seed(module_seed(seed, prefix))
                 with torch.no_grad():
                     reset()
-        _family_init(root, {id(m) for _, m in held}, seed, {id(t) for t in fresh.values()})
+        made = {id(t) for t in fresh.values() if id(t) not in replayed}
+        _family_init(root, {id(m) for _, m in held}, seed, made)
     return record
 
 
@@ -209,55 +224,3 @@ def initialize_(root: nn.Module, seed: int) -> None:
                     reset()
         everything = {id(t) for t in [*root.parameters(), *root.buffers()]}
         _family_init(root, {id(m) for m in root.modules()}, seed, everything)
-
-
-_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of Tensor.data (a mode sees its __get__)
-
-
-class InitWrites(TorchFunctionMode):
-    """Records in-place writes into parameters on the meta device that :func:`materialize_` will not repeat:
-    any outside a module's own ``reset_parameters()`` (``_reset_parameters()``) and outside a Hugging Face
-    model's code (whose ``_init_weights`` materialisation runs again). Active around a ``configure_model`` that
-    runs on meta: a model's own initialisation there (nanoGPT's ``self.apply(self._init_weights)`` in its
-    constructor, timm's ``init_weights``, ``nn.init.normal_`` on a built module) writes nothing on meta, and the
-    values would silently be ``reset_parameters()``'s instead. ``writes``: ``(where, what)`` of each, in order.
-    Seen: tensor methods and ``torch.nn.init``'s functions called on an ``nn.Parameter``, or on its ``.data``
-    (the alias ``.data`` returns is remembered while the mode is open)."""
-
-    _KEPT = ("reset_parameters", "_reset_parameters")
-    _NOT_VALUES = ("requires_grad_", "share_memory_", "retain_grad_")  # in place, but no value written
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[tuple[str, str]] = []
-        self._aliases: list[Tensor] = []  # the .data of meta parameters handed out (meta: no memory)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        name = getattr(func, "__name__", "")
-        in_place = (name.endswith("_") and not name.startswith("__") and name not in self._NOT_VALUES) or (
-            name == "__setitem__"
-        )
-        target = args[0] if args else (kwargs or {}).get("tensor")  # torch.nn.init's functions take tensor=
-        if in_place and isinstance(target, Tensor) and target.is_meta and self._a_parameter(target):
-            where = self._lost_at()
-            if where is not None:
-                self.writes.append((where, f"{name} on a parameter of shape {tuple(target.shape)}"))
-        out = func(*args, **(kwargs or {}))
-        if getattr(func, "__self__", None) is _DATA and isinstance(target, nn.Parameter) and target.is_meta:
-            self._aliases.append(out)
-        return out
-
-    def _a_parameter(self, t: Tensor) -> bool:
-        return isinstance(t, nn.Parameter) or any(t is alias for alias in self._aliases)
-
-    def _lost_at(self) -> Optional[str]:
-        """The user's line of a write materialisation does not repeat, or ``None`` for one it does."""
-        frame, where = sys._getframe(2), None
-        while frame is not None:
-            module = frame.f_globals.get("__name__", "")
-            if frame.f_code.co_name in self._KEPT or module.startswith("transformers."):
-                return None
-            if where is None and not module.startswith(("torch", "lightning_parallel")):
-                where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
-            frame = frame.f_back
-        return where or "?"

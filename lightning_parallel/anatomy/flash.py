@@ -62,7 +62,9 @@ def stand_in(block: nn.Module) -> Iterator[bool]:
         return
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    names = sorted(n for n in implementations_of(block) if n != "eager" and flash_like(n) and n in ALL_ATTENTION_FUNCTIONS)
+    names = sorted(
+        n for n in implementations_of(block) if n != "eager" and flash_like(n) and n in ALL_ATTENTION_FUNCTIONS
+    )
     saved = {n: ALL_ATTENTION_FUNCTIONS._local_mapping.get(n) for n in names}
     try:
         for n in names:

@@ -20,7 +20,7 @@ verified as themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -161,9 +161,13 @@ def fingerprint(block: nn.Module) -> tuple:
     return tuple(
         (name, type(m), tuple((k, _mark(v)) for k, v in sorted(vars(m).items()) if not _machinery(k)),
          tuple((k, _mark(b)) for k, b in m._buffers.items()),
-         tuple((k, None if p is None else (tuple(p.shape), p.dtype, p.requires_grad)) for k, p in m._parameters.items()))
+         tuple((k, _parameter_mark(p)) for k, p in m._parameters.items()))
         for name, m in block.named_modules()
     )  # fmt: skip
+
+
+def _parameter_mark(p: Optional[torch.Tensor]) -> Optional[tuple]:
+    return None if p is None else (tuple(p.shape), p.dtype, p.requires_grad)
 
 
 def _machinery(key: str) -> bool:
@@ -198,10 +202,10 @@ def verified_split(
     index: int = 0,
     proven: set[tuple] | None = None,
 ) -> tuple[str, Any, Verdicts]:
-    """``(source, parts, verdicts)``: ``block`` (layer ``index``) cut at its attention call (HelixPipe) by the first source whose split
-    reproduces the block's own forward and gradients on ``sample`` (:func:`first_verified`), composed with this
-    rank's tensor parallelism (the block sharded, the parts running on its heads; ``layouts.tp`` records the
-    sharding) and sequence parallelism (a :class:`~lightning_parallel.sequence_parallel.SplitOverSequence`;
+    """``(source, parts, verdicts)``: ``block`` (layer ``index``) cut at its attention call (HelixPipe) by the first
+    source whose split reproduces the block's own forward and gradients on ``sample`` (:func:`first_verified`),
+    composed with this rank's tensor parallelism (the block sharded, the parts running on its heads; ``layouts.tp``
+    records the sharding) and sequence parallelism (a :class:`~lightning_parallel.sequence_parallel.SplitOverSequence`;
     ``layouts.sp`` records the parameters whose gradients are summed over sp). The candidates are verified on
     copies, the verdict agreed over the tp and sp groups; then ``block`` itself is sharded (its parameters
     replaced: the caller hands the new ones to the optimizers). ``prefix``: the block's parameters' full names

@@ -2,8 +2,8 @@
 
 On the first real input, on copies of the block (the block itself is not touched), in float64 (through
 flash-attention's semantics where the block's attention is flash-attention, :mod:`lightning_parallel.anatomy
-.flash`; in float32 where another of its kernels has no float64 version; autocast off): the block's own forward gives the
-reference output, input gradient and parameter gradients; the candidate (any transformed copy: a split,
+.flash`; in float32 where another of its kernels has no float64 version; autocast off): the block's own forward
+gives the reference output, input gradient and parameter gradients; the candidate (any transformed copy: a split,
 a tensor- or sequence-parallel stack, chunked MLP, recomputation) runs on the same input with the same
 output weighting, its gradients are brought to the single-process view with the algebra the strategies
 use (partial sums reduced, shards gathered), and all are compared at ``rtol=1e-9, atol=1e-10`` (at 1e-5

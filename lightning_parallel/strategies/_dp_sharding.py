@@ -108,7 +108,7 @@ class DataParallelShardingMixin:
 
         def materialize_unit(unit: list[torch.nn.Module]) -> None:
             eager = [t for m in unit for t in [*m.parameters(), *m.buffers()] if not t.is_meta]
-            self._materialized.append(materialize_(lm, device, seed, only=unit))
+            self._materialized.append(materialize_(lm, device, seed, only=unit, tape=self._tape))
             _collectives.broadcast_([t.data for t in eager], self.dp_group)
 
         mesh = self._mesh[DP]

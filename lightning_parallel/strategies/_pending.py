@@ -24,6 +24,7 @@ import torch
 from lightning_parallel import _collectives
 from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.blocks import BlockConfig
+from lightning_parallel.init_replay import InitTape
 from lightning_parallel.materialize import _direct, check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP
 from lightning_parallel.tensor_parallel import local
@@ -48,6 +49,7 @@ class PendingBlocksMixin:
     _optimizer_source: Optional[OptimizerSource]
     _materialized: list[Any]
     _init_seed: int
+    _tape: Optional[InitTape]
     _mesh: Any
 
     def _hook_pending(self) -> None:
@@ -170,7 +172,7 @@ class PendingBlocksMixin:
             name = prefix[id(block)]
             before = dict(block.named_parameters())
             with torch.inference_mode(False):  # parameters and optimizer state for training
-                record = materialize_(lm, self.root_device, self._init_seed, only=[block])
+                record = materialize_(lm, self.root_device, self._init_seed, only=[block], tape=self._tape)
                 if check:
                     self._broadcast_block(block)
                 self._restore_values(block, name)
@@ -186,8 +188,8 @@ class PendingBlocksMixin:
                 raise ConfigurationError(message)
             if not check:
                 self._materialized.append(record)
-        if not self._pending:  # nothing left to restore: the sources' references go
-            self._sources, self._optimizer_source = [], None
+        if not self._pending:  # nothing left to restore or replay: the sources' references and the tape go
+            self._sources, self._optimizer_source, self._tape = [], None, None
 
     def _restore_values(self, block: torch.nn.Module, name: str) -> None:
         """Copy into a just-materialised block what each source holds of it (whole tensors, original order)."""
@@ -292,7 +294,7 @@ class PendingBlocksMixin:
         self._borrowed[id(block)] = meta
         try:
             with torch.inference_mode(False):
-                record = materialize_(lm, self.root_device, self._init_seed, only=[block])
+                record = materialize_(lm, self.root_device, self._init_seed, only=[block], tape=self._tape)
                 if self._lent.get(id(block), True):  # the first lend, or the ranks' values differed then
                     self._lent[id(block)] = not self._agrees_with_rank_0(block)
                 self._restore_values(block, name)

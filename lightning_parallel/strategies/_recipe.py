@@ -23,7 +23,8 @@ from lightning_parallel import partial as _partial
 from lightning_parallel.anatomy.families import prepare_model
 from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
-from lightning_parallel.materialize import InitWrites, check_set, materialize_
+from lightning_parallel.init_replay import InitTape, generator
+from lightning_parallel.materialize import check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP
 from lightning_parallel.sequence_parallel import SequenceParallelLayout
 from lightning_parallel.strategies._optimizers import Replaced, replace_parameters
@@ -31,14 +32,6 @@ from lightning_parallel.strategies._pending import pending_blocks
 from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
 from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
 
-_INITIALISED_ON_META = (
-    "configure_model runs on the meta device under lightning-parallel's strategies, and there it wrote initial"
-    " values into parameters that set-up will not write again: {n} in-place write(s), the first {what} at {where}."
-    " Each rank materialises its share and initialises every module with its own reset_parameters()"
-    " (lightning_parallel/materialize.py), so these values would be lost. Move this initialisation into the"
-    " modules' reset_parameters(), or build the model in the LightningModule's __init__, or pass"
-    " configure_model_on_meta=False to the strategy (every rank then builds the whole model in configure_model)"
-)
 _LOADED_ON_META = (
     "configure_model runs on the meta device under lightning-parallel's strategies (each rank then materialises"
     " only what it holds), so weights loaded there by {what} would be lost. Build the model there without weights"
@@ -110,7 +103,7 @@ class SetupRecipeMixin:
         seed = self._init_seed = self._seed()
         try:
             self._fully_shard_deferred(lm, freed, trunk, seed)
-            self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed))
+            self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed, tape=self._tape))
             self._check_due = True
         except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
             message = f"deferred initialisation failed: {type(err).__name__}: {err}"
@@ -227,16 +220,18 @@ class SetupRecipeMixin:
     def model_sharded_context(self) -> Any:
         """Around ``configure_model``: the meta device (unless ``configure_model_on_meta=False``), so a module
         built there without any device context never exists whole; set-up materialises each rank's share.
+        The calls that compute values there (constructors' resets, the model's own initialisation) are recorded
+        (:class:`~lightning_parallel.init_replay.InitTape`) and replayed per tensor as each rank materialises its
+        share: the values one process's eager ``configure_model`` gives, from rank 0's generator state.
         Weights loaded there would be lost on meta, so a load is refused, naming the ways that work:
         transformers' ``from_pretrained`` raises under a meta device (said here again with them), and a
-        ``load_state_dict`` into meta parameters (torch warns that it is a no-op) is turned into the error. So is
-        a model's own initialisation written there outside its modules' ``reset_parameters()``
-        (:class:`~lightning_parallel.materialize.InitWrites`): set-up would not repeat it. Every rank runs the
-        same ``configure_model``, so every rank raises the same error, before any collective."""
+        ``load_state_dict`` into meta parameters (torch warns that it is a no-op) is turned into the error. Every
+        rank runs the same ``configure_model``, so every rank raises the same error, before any collective."""
         if not self._configure_on_meta:
             yield
             return
-        with torch.device("meta"), warnings.catch_warnings(record=True) as caught, InitWrites() as writes:
+        start = generator(self.root_device).get_state()
+        with torch.device("meta"), warnings.catch_warnings(record=True) as caught, InitTape() as tape:
             warnings.simplefilter("always")
             try:
                 yield
@@ -248,11 +243,13 @@ class SetupRecipeMixin:
         for w in caught:
             if w not in lost:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        if lost:  # (its copies into meta parameters are writes too: this error says more)
+        if lost:
             raise ConfigurationError(_LOADED_ON_META.format(what="load_state_dict"))
-        if writes.writes:
-            (where, what), n = writes.writes[0], len(writes.writes)
-            raise ConfigurationError(_INITIALISED_ON_META.format(where=where, what=what, n=n))
+        if tape.calls:  # (a configure_model called again after a fit builds nothing: the first tape stays)
+            if _collectives.world_size() > 1:  # every rank replays from rank 0's state, as one process would
+                start = _collectives.broadcast_object(start, 0, None)  # type: ignore[assignment]
+            tape.close(self.root_device, start)
+            self._tape = tape
 
 
 def check_config_heads(block: torch.nn.Module, tp: int, ulysses: int) -> None:

@@ -41,6 +41,7 @@ from lightning_parallel import _collectives
 from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockLayer
+from lightning_parallel.init_replay import InitTape
 from lightning_parallel.mesh import DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture_learning
 from lightning_parallel.recompute import Policy
@@ -230,6 +231,7 @@ class HybridParallelStrategy(
         self._sources: list[Any] = []  # values loaded while blocks were pending, read as each materialises
         self._optimizer_source: Optional[Any] = None  # likewise, restored optimizer state
         self._init_seed = 0  # rank 0's seed, which deferred initialisation uses
+        self._tape: Optional[InitTape] = None  # configure_model's calls on meta, replayed per tensor until all held
         self._fsdp_root: list[torch.nn.Module] = []  # data_parallel_sharding="full": the units' root, once applied
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
         self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks

@@ -268,8 +268,8 @@ class NoAttentionLM(L.LightningModule):
 
 class DeferredHFCausalLM(HFCausalLM):
     """The Hugging Face model built in ``configure_model`` with no device context, as on one device: the
-    lightning-parallel strategies run it on the meta device (its rotary tables have no ``reset_parameters()``;
-    the model's own ``_init_weights`` makes them at set-up)."""
+    lightning-parallel strategies run it on the meta device and replay what it computes (its ``_init_weights``,
+    its rotary tables) per tensor at set-up: one device's values."""
 
     def __init__(self, family: str = "llama", vocab_size: int = 65, num_layers: int = 8, lr: float = 1e-3,
                  optimizer: str = "adamw") -> None:  # fmt: skip
@@ -316,3 +316,25 @@ class DeferredGPT(GPT):
     def configure_model(self) -> None:
         if not hasattr(self, "lm_head"):  # on meta under the strategies, which materialise each rank's share
             self._build()
+
+
+class OwnInitGPT(DeferredGPT):
+    """The example GPT built in ``configure_model`` with the model's own initialisation applied there, in the
+    idioms people write: nanoGPT's ``self.apply(self._init_weights)`` and its scaled residual projections by
+    ``nn.init`` on named parameters, timm's ``trunc_normal_`` (which returns at once on a meta tensor),
+    ``orthogonal_``, a write through ``.data`` and an item assignment. Under the strategies all of it runs on
+    meta and is replayed per tensor; one process runs it eagerly: the initial parameters must be equal."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "lm_head"):
+            return
+        self._build()
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * self.hparams.n_layer) ** 0.5)
+        nn.init.trunc_normal_(self.transformer.wpe.weight, std=0.02)
+        nn.init.orthogonal_(self.transformer.h[1].attn.c_attn.weight)
+        self.transformer.h[-1].mlp.c_fc.weight.data.uniform_(-0.05, 0.05)
+        with torch.no_grad():
+            self.transformer.ln_f.weight[::2] = 0.5

@@ -142,12 +142,13 @@ def build(
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         kw = dict(MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"])
         return GPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kw), data
-    if model in ("gpt-deferred", "gpt-empty-init"):
-        from tests.helpers.models import DeferredGPT
+    if model in ("gpt-deferred", "gpt-empty-init", "gpt-own-init"):
+        from tests.helpers.models import DeferredGPT, OwnInitGPT
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         kw = dict(MODEL_KWARGS["gpt"], optimizer=optimizer, lr=kwargs["lr"])
-        return DeferredGPT(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kw), data
+        cls = OwnInitGPT if model == "gpt-own-init" else DeferredGPT
+        return cls(vocab_size=data.vocab_size, block_size=SEQ_LEN, **kw), data
     if model in ("llama-ckpt", "gpt-sum", "llama-skip", "llama-learned-rope", "gpt-direct-head"):
         from tests.helpers import models
 
@@ -259,16 +260,19 @@ def reference(model: str, dtype: str, optimizer: str, steps: int, global_batch: 
         kwargs,
         devices=1,
         strategy="auto",
-        extra_callbacks=[_OneReplicaSampler(), *([_DeferredReference()] if model in DEFERRED else [])],
+        extra_callbacks=[_OneReplicaSampler(), *([_EmptyInitReference()] if model in EMPTY_INIT else [])],
     )
 
 
-DEFERRED = ("gpt-deferred", "gpt-empty-init", "hf-llama-deferred", "hf-gpt2-deferred")
+# built under Trainer.init_module(empty_init=True): one process holds uninitialised memory, so the reference takes
+# the rule every such layout follows. A model built in configure_model is compared with one process's eager build
+# as it is (the strategies replay its initialisation: lightning_parallel.init_replay).
+EMPTY_INIT = ("gpt-empty-init",)
 
 
-class _DeferredReference(L.Callback):
-    """The single-process run of a deferred model: built eagerly (or, under ``empty_init``, uninitialised),
-    then initialised by the rule every deferred layout follows (``lightning_parallel.materialize``)."""
+class _EmptyInitReference(L.Callback):
+    """The single-process run of a model built under ``empty_init``: uninitialised, then initialised by the rule
+    every such layout follows (``lightning_parallel.materialize``)."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning_parallel.materialize import initialize_

@@ -1,7 +1,7 @@
-"""What ``configure_model`` on the meta device (the default of every strategy here) refuses, because set-up would
-lose it: weights loaded there (``from_pretrained``, ``load_state_dict``) and a model's own initialisation written
-there outside ``reset_parameters()``; and ``configure_model_on_meta=False``, which keeps both as on one device
-(docs/design.md, "Deferred initialisation")."""
+"""``configure_model`` on the meta device (the default of every strategy here): a model's own initialisation written
+there is replayed per tensor as one process's (``lightning_parallel.init_replay``), or refused where it cannot be;
+weights loaded there (``from_pretrained``, ``load_state_dict``) are refused, and ``configure_model_on_meta=False``
+keeps them as on one device (docs/design.md, "Deferred initialisation")."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_parallel import PipelineParallelStrategy
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import RankFailed, run_distributed
 from tests.helpers.models import DeferredGPT
+from tests.helpers.parity import assert_parity
 
 
 class _LoadsInConfigureModel(L.LightningModule):
@@ -82,65 +83,50 @@ def test_configure_model_on_meta_false_builds_and_loads_as_on_one_device(saved_l
     assert not torch.equal(first, saved) and (first - saved).abs().max() < 0.1
 
 
-class _InitialisesInConfigureModel(DeferredGPT):
-    """nanoGPT's way: the modules built, then the model's own initialisation applied to them."""
+OWN_INIT_LAYOUTS = {
+    "pipeline pp=2": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
+    "helix p=2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), 2, 1),
+    "tensor_parallel tp=2": (lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=1), 2, 1),
+    "sequence_parallel sp=2": (lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=1), 2, 1),
+    "hybrid dp=2 full": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="full"), 2, 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(OWN_INIT_LAYOUTS))
+def test_a_models_own_initialisation_in_configure_model_is_one_processs(layout):
+    """nanoGPT's ``self.apply(self._init_weights)``, ``nn.init`` on named parameters, ``trunc_normal_``,
+    ``orthogonal_``, ``.data`` and item writes in ``configure_model`` (tests/helpers/models.py, OwnInitGPT) run on
+    meta and are replayed per tensor: the initial parameters equal one process's eager build (float64, compared by
+    the parity helper before any step), and training follows."""
+    strategy, world, dp = OWN_INIT_LAYOUTS[layout]
+    assert_parity("gpt-own-init", strategy, world, data_parallel_size=dp)
+
+
+class _DrawsFromItsOwnGenerator(DeferredGPT):
+    """An initialisation drawing from a generator of its own: replaying it would draw from it a second time."""
 
     def configure_model(self) -> None:
         if not hasattr(self, "lm_head"):
             self._build()
-            self.apply(self._init_weights)
+            g = torch.Generator().manual_seed(5)
+            torch.nn.init.normal_(self.transformer.h[0].mlp.c_fc.weight, std=0.02, generator=g)
 
 
-def _fit_initialising(rank, world_size, on_meta):
-    from examples.data import CharDataModule
-    from tests.helpers.trainers import quick_fit
-
-    torch.manual_seed(0)
-    module = _InitialisesInConfigureModel(n_layer=2)
-    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, configure_model_on_meta=on_meta)
-    trainer = quick_fit(module, CharDataModule(block_size=16, batch_size=4, shuffle=False), strategy, world_size)
-    state = trainer.strategy.full_state_dict()  # on every rank; rank 0 gets the whole model
-    return float(state["transformer.wpe.weight"].std()) if rank == 0 else None
-
-
-def test_a_models_own_initialisation_in_configure_model_is_refused_on_meta_never_lost():
-    """On meta, ``self.apply(self._init_weights)`` writes nothing and set-up would initialise with
-    ``reset_parameters()`` instead: refused on every rank, naming the line and the ways that keep it."""
-    with pytest.raises(RankFailed) as failed:
-        run_distributed(_fit_initialising, 2, True, init_process_group=False)
-    text = str(failed.value)
-    assert "wrote initial values into parameters that set-up will not write again" in text
-    assert "gpt.py" in text and "_init_weights" in text, text[:2000]
-    assert "reset_parameters()" in text and "configure_model_on_meta=False" in text
-    # configure_model_on_meta=False keeps the model's own initialisation (nanoGPT's std 0.02 for wpe, not N(0, 1))
-    std = run_distributed(_fit_initialising, 2, False, init_process_group=False)[0]
-    assert 0.015 < std < 0.025, std
-
-
-class _WritesThroughData(DeferredGPT):
-    """An initialisation written through ``.data`` (the old idiom): a plain tensor by then, which the watch of
-    parameters did not see, so the values were lost silently (the run trained from reset_parameters()'s)."""
-
-    def configure_model(self) -> None:
-        if not hasattr(self, "lm_head"):
-            self._build()
-            for p in self.parameters():
-                p.data.normal_(0.0, 0.02)
-
-
-def _fit_writing_data(rank, world_size):
+def _fit_own_generator(rank, world_size):
     from examples.data import CharDataModule
     from tests.helpers.trainers import quick_fit
 
     torch.manual_seed(0)
     strategy = PipelineParallelStrategy(pipeline_parallel_size=2)
-    quick_fit(_WritesThroughData(n_layer=2), CharDataModule(block_size=16, batch_size=4, shuffle=False), strategy,
-              world_size)  # fmt: skip
+    quick_fit(_DrawsFromItsOwnGenerator(n_layer=2), CharDataModule(block_size=16, batch_size=4, shuffle=False),
+              strategy, world_size)  # fmt: skip
 
 
-def test_an_initialisation_through_data_is_refused_too():
+def test_an_initialisation_that_cannot_be_replayed_is_refused_naming_the_line():
+    """A call the tape cannot replay exactly is refused, naming the user's line and the ways that work (here on
+    rank 0, the stage holding block 0)."""
     with pytest.raises(RankFailed) as failed:
-        run_distributed(_fit_writing_data, 2, init_process_group=False)
+        run_distributed(_fit_own_generator, 2, init_process_group=False)
     text = str(failed.value)
-    assert "wrote initial values into parameters that set-up will not write again" in text, text[-2000:]
-    assert "test_configure_model.py" in text and "normal_" in text
+    assert "explicit generator=" in text and "test_configure_model.py" in text, text[-2000:]
+    assert "configure_model_on_meta=False" in text

@@ -207,11 +207,12 @@ def test_deferred_llama_refused_on_every_rank_naming_the_rope_tables():
 
 
 class _Gain(nn.Module):
-    """A parameter with no ``reset_parameters()``: deferred, nothing initialises it."""
+    """A parameter allocated and never written (uninitialised memory on one process), with no
+    ``reset_parameters()``: deferred, nothing initialises it."""
 
     def __init__(self, n: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
+        self.weight = nn.Parameter(torch.empty(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.weight

@@ -154,7 +154,9 @@ def test_the_stand_in_matches_flash_semantics_and_a_function_of_other_semantics_
         assert swapped
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        ALL_ATTENTION_FUNCTIONS["flash_ignoring_documents"](attention, q, k, v, None, position_ids=torch.arange(T)[None])
+        ALL_ATTENTION_FUNCTIONS["flash_ignoring_documents"](
+            attention, q, k, v, None, position_ids=torch.arange(T)[None]
+        )
         with pytest.raises(ConfigurationError, match="differs from them by"):
             ALL_ATTENTION_FUNCTIONS["flash_ignoring_documents"](attention, q, k, v, None, position_ids=packed)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
