@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_parallel.pipeline.capture import _forwards, split_hidden, wrap_output
+from lightning_parallel.pipeline.capture import _forwards, settled, split_hidden, wrap_output
 from lightning_parallel.trunk import Trunk
 
 
@@ -95,6 +95,7 @@ def touched(
             hidden, rest = split_hidden(trunk, a, kw)
             arguments.update(mode.of(rest))
             if j == 0:
+                settled(hidden)  # (dropped)
                 mode.phase = "trunk"
             if j == last:
                 mode.phase = "post"
