@@ -25,6 +25,7 @@ after (gradients). Nothing links the layers but this composition: no attributes 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,21 @@ class BlockConfig:
     @property
     def communicates(self) -> bool:
         return self.tp > 1 or self.sp > 1
+
+    def not_compiled_because(self) -> str | None:
+        """Why a composed block is not compiled again as a whole, or ``None``: its stack communicates inside (dynamo
+        would cut the graph at every collective, or trace them into functional collectives the stack does not wait
+        on), is driven in parts (HelixPipe, the zero-bubble split backward) or wraps autograd itself."""
+        reasons = {
+            f"tensor parallelism (tp={self.tp})": self.tp > 1,
+            f"sequence parallelism (sp={self.sp})": self.sp > 1,
+            "HelixPipe's split at the attention call": self.split,
+            "the zero-bubble schedule's split backward": self.split_backward,
+            f"recompute={self.recompute!r}": self.recompute != "none",
+            "recompute_offload": self.offload,
+            f"mlp_chunks={self.mlp_chunks}": self.mlp_chunks > 1,
+        }
+        return ", ".join(r for r, on in reasons.items() if on) or None
 
 
 @dataclass
@@ -299,6 +315,7 @@ class BlockLayer:
     runners: dict[int, BlockRunner] = field(default_factory=dict)
     winner: str | None = None  # the source of anatomy the first block verified with (the others try it first)
     proven: set[tuple] = field(default_factory=set)  # (source, fingerprint) of the blocks verified so far
+    compiled_forwards: dict[int, Any] = field(default_factory=dict)  # index -> its wrapper's compiled forward
 
     def __post_init__(self) -> None:
         validate(self.config.recompute, self.config.every_n, self.config.mlp_chunks, self.config.offload)
@@ -308,24 +325,51 @@ class BlockLayer:
         return self.trunk.hidden_name if self.trunk is not None else None
 
     def install(self, blocks: Iterable[tuple[int, nn.Module]]) -> BlockLayer:
-        """Make each ``(index, block)`` run through a pending :class:`BlockRunner`."""
+        """Make each ``(index, block)`` run through a pending :class:`BlockRunner`. A block compiled in the model
+        (``torch.compile(block)``: the trunk's wrappers) is called by its wrapper eagerly, so the runner composes
+        it (splits, shards, recomputes); :meth:`compiled` compiles the composed block again where sound."""
+        wrappers = self.trunk.wrappers if self.trunk is not None else ()
         for index, block in blocks:
             runner = BlockRunner(self, index, block)
             block.forward = runner
             self.runners[index] = runner
+            if wrappers:
+                self.compiled_forwards.setdefault(index, wrappers[index].forward)
+                wrappers[index].forward = block.__call__
         return self
 
     def uninstall(self) -> None:
         for runner in self.runners.values():
             if runner.block.__dict__.get("forward") is runner:
                 del runner.block.forward
-        self.runners = {}
+        for index, forward in self.compiled_forwards.items():  # the wrappers compile their blocks again
+            self.trunk.wrappers[index].forward = forward
+        self.runners, self.compiled_forwards = {}, {}
 
     def prefix(self, index: int) -> str:
         if self.trunk is None:
             return ""
         name = list(dict(self.trunk.container.named_children()))[index]
         return f"{self.trunk.path}.{name}.{self.trunk.inner}"
+
+    def compiled(self, index: int, stack: Callable[..., Any]) -> Callable[..., Any]:
+        """``stack`` compiled with the user's ``torch.compile`` of block ``index`` (its backend and options: the
+        trunk's blocks were compiled in the model, :func:`lightning_parallel.trunk.discover_trunk`), where the
+        layout keeps the block whole and local (:meth:`BlockConfig.not_compiled_because`); else ``stack`` itself,
+        eager, said once. One compiled function serves every block (dynamo takes a module's parameters as inputs)."""
+        wrappers = self.trunk.wrappers if self.trunk is not None else ()
+        if not wrappers:
+            return stack
+        assert self.trunk is not None
+        reason = self.config.not_compiled_because()
+        if reason is not None:
+            _say_eager_once(self.trunk.path, reason)
+            return stack
+
+        def run(block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+            return stack(block, x, args, kwargs)
+
+        return wrappers[index].dynamo_ctx(run)  # type: ignore[no-any-return]
 
     def groups(self) -> list[Any]:
         return [m.get_group() for m in (self.config.tp_mesh, self.config.sp_mesh) if m is not None and m.size() > 1]
@@ -350,7 +394,7 @@ class BlockLayer:
         """Resolve, verify and commit ``runner``'s stack on its first real input."""
         block, config = runner.block, self.config
         if not config.needs_anatomy:
-            runner.stack = compose(block, runner.index, None, config, self.layouts)
+            runner.stack = self.compiled(runner.index, compose(block, runner.index, None, config, self.layouts))
             return
         with torch.inference_mode(False), torch.enable_grad():
             sample = _normal((x, args, kwargs))
@@ -377,7 +421,8 @@ class BlockLayer:
     def _commit(self, runner: BlockRunner, anatomy: Any) -> None:
         block = runner.block
         before = dict(block.named_parameters())
-        runner.stack = compose(block, runner.index, anatomy, self.config, self.layouts, self.prefix(runner.index))
+        stack = compose(block, runner.index, anatomy, self.config, self.layouts, self.prefix(runner.index))
+        runner.stack = self.compiled(runner.index, stack)
         runner.anatomy_name = anatomy.name
         after = dict(block.named_parameters())
         prefix = self.prefix(runner.index)
@@ -461,3 +506,15 @@ __all__ = [
     "parallelize",
     "uninstall_runners",
 ]
+
+
+@functools.cache  # said once per trunk and reason
+def _say_eager_once(path: str, reason: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        f"the blocks of trunk {path!r} were compiled with torch.compile; under {reason} the strategy runs them"
+        " eagerly (the rest of the model stays compiled; a layout that keeps blocks whole, pipeline or data"
+        " parallelism without recomputation, compiles them again). Their parameters keep their names"
+        " ('_orig_mod.'), so checkpoints load into the compiled model"
+    )

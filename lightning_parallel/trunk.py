@@ -13,9 +13,9 @@ Blocks of other stages keep their module objects (user code may read their attri
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ class Trunk:
     blocks: list[nn.Module]
     hidden_name: str  # name of the block forward's first parameter (the hidden state)
     inner: str = ""  # between a container entry's name and its block's parameters ("_orig_mod." when compiled)
+    wrappers: tuple[Any, ...] = ()  # per block, the user's torch.compile wrapper (OptimizedModule), when compiled
 
     @property
     def block_names(self) -> list[str]:
@@ -79,38 +80,25 @@ def discover_trunk(module: nn.Module, trunk: str | None = None) -> Trunk:
                 " two or more blocks of one class; name it with trunk='dotted.path.to.blocks'"
             )
         path, container = max(candidates, key=lambda c: _numel(c[1]))
-    blocks, inner = _uncompiled(path, list(container.children()))
+    blocks, inner, wrappers = _uncompiled(list(container.children()))
     params = list(inspect.signature(type(blocks[0]).forward).parameters.values())[1:]  # the class's, minus self
     if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
         raise ValueError(f"the blocks of trunk {path!r} ({type(blocks[0]).__name__}) take no hidden-state argument")
-    return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name, inner=inner)
+    return Trunk(path=path, container=container, blocks=blocks, hidden_name=params[0].name, inner=inner,
+                 wrappers=wrappers)  # fmt: skip
 
 
-def _uncompiled(path: str, children: list[nn.Module]) -> tuple[list[nn.Module], str]:
+def _uncompiled(children: list[nn.Module]) -> tuple[list[nn.Module], str, tuple[Any, ...]]:
     """The blocks behind ``torch.compile``'s wrappers (each block compiled in ``configure_model``, as torchtitan and
-    Lightning's docs do), and the wrappers' name for them (``"_orig_mod."``, in every parameter's name). The
-    strategies split, shard and recompute the blocks themselves, which a compiled graph of the whole block would
-    bypass, so each wrapper is made to call its block eagerly (its parameters' names stay the compiled model's);
-    the run says so once. Not compiled: ``(children, "")``."""
+    Lightning's docs do), the wrappers' name for them (``"_orig_mod."``, in every parameter's name) and the
+    wrappers themselves (the block layer makes a wrapper call its block's runner, and compiles the composed block
+    again with the wrapper's backend and options where that is sound:
+    :meth:`lightning_parallel.blocks.BlockLayer.install`). Not compiled: ``(children, "", ())``."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     if not all(isinstance(c, OptimizedModule) for c in children):
-        return children, ""
-    for wrapper in children:
-        wrapper.forward = wrapper._orig_mod.__call__  # eager: the block's own __call__ (its runner, once installed)
-    _say_eager_once(path)
-    return [wrapper._orig_mod for wrapper in children], "_orig_mod."
-
-
-@functools.cache  # said once per trunk
-def _say_eager_once(path: str) -> None:
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    rank_zero_warn(
-        f"the blocks of trunk {path!r} were compiled with torch.compile; the strategy splits, shards or recomputes"
-        " them itself, so they run eagerly (the rest of the model stays compiled). Their parameters keep their"
-        " names ('_orig_mod.'), so checkpoints load into the compiled model"
-    )
+        return children, "", ()
+    return [wrapper._orig_mod for wrapper in children], "_orig_mod.", tuple(children)
 
 
 def vocabulary_modules(module: nn.Module, blocks: list[nn.Module]) -> tuple[int, list[tuple[str, nn.Module]]]:
