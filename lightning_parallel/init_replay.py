@@ -129,15 +129,27 @@ class InitTape(TorchFunctionMode):
     """Records the torch calls that make or write meta tensors (module docstring). Open it innermost, inside the
     ``torch.device("meta")`` context, so factories are recorded without the device that context adds."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
         self.calls: list[_Call] = []
         self._writers: dict[int, list[int]] = {}  # storage -> indices of the calls writing it (making, views)
         self._valued: set[int] = set()  # storages some call writes values into
-        self._unreplayable: Optional[str] = None
+        self._unreplayable: Optional[str] = None  # why no value can be replayed exactly
+        self._generator = generator(device)
+        self._seen = self._generator.get_state()
+        self._moved: list[tuple[int, Tensor, str]] = []  # (before call i, the state, where): a reseed, a real draw
+
+    def _watch(self) -> None:
+        """Note the generator's state where the user's code changed it between recorded calls
+        (``torch.manual_seed``, a draw on a real tensor): the throw-away run takes it there, or refuses."""
+        now = self._generator.get_state()
+        if not torch.equal(now, self._seen):
+            self._moved.append((len(self.calls), now, _user_line()))
+            self._seen = now
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        self._watch()
         if getattr(func, "__self__", None) is _IS_META and args and args[0].is_meta:
             self._skipped_init(args[0])
         if func is torch.tensor and _asked_by_hugging_face_init():
@@ -197,9 +209,16 @@ class InitTape(TorchFunctionMode):
         """Run the program on throw-away tensors from generator ``state`` (rank 0's at ``configure_model``'s
         start), keeping each drawing call's states; the generator ends where an eager build leaves it."""
         gen = generator(device)
+        self._watch()  # (a change after the last call)
+        moved = {i: (s, where) for i, s, where in self._moved}
         gen.set_state(state)
+        drawn = False
         with torch.no_grad(), torch.device(device):
-            for call in self.calls:
+            for i, call in enumerate([*self.calls, None]):
+                if i in moved:
+                    self._moved_to(gen, *moved[i], drawn)
+                if call is None:
+                    break
                 before = gen.get_state()
                 args, kwargs = tree_map(lambda x: _zeros_like(x, device), (call.args, call.kwargs))
                 try:
@@ -207,11 +226,26 @@ class InitTape(TorchFunctionMode):
                         call.func(*args, **kwargs)
                 except Exception as err:  # noqa: BLE001  (a call that needs real values: replayed with them)
                     if not torch.equal(gen.get_state(), before):
-                        self._unreplayable = f"{call.where}: {getattr(call.func, '__name__', call.func)} ({err})"
+                        self._unreplayable = (
+                            f"a call at {call.where} ({getattr(call.func, '__name__', call.func)}) draws from torch's"
+                            f" generator but cannot run again without the values it read ({err})"
+                        )
                     continue
                 after = gen.get_state()
                 if not torch.equal(after, before):
-                    call.before, call.after = before, after
+                    call.before, call.after, drawn = before, after, True
+
+    def _moved_to(self, gen: torch.Generator, state: Tensor, where: str, drawn: bool) -> None:
+        """The user's code set or advanced the generator at ``where``. Before any recorded draw the state it left
+        is the eager build's too (a ``torch.manual_seed``); after one, that state missed the draws meta skipped."""
+        if drawn:
+            self._unreplayable = (
+                f"configure_model changes torch's generator at {where} (torch.manual_seed, or a draw on a tensor"
+                " off the meta device) after the model's initialisation drew from it on meta, so the draws after"
+                " it cannot be placed as one process makes them"
+            )
+        else:
+            gen.set_state(state)
 
     # -- one tensor ------------------------------------------------------------------------------------------
 
@@ -223,10 +257,8 @@ class InitTape(TorchFunctionMode):
         """``t``'s value as one process's eager build gives it, on ``device`` (a tensor of ``t``'s own)."""
         if self._unreplayable is not None:
             raise ConfigurationError(
-                "configure_model ran on the meta device and a call there draws from torch's generator but"
-                f" cannot run again without the values it read: {self._unreplayable}. Pass"
-                " configure_model_on_meta=False to the strategy (every rank builds the whole model), or build the"
-                " model in the LightningModule's __init__"
+                f"configure_model ran on the meta device, and its initialisation cannot be replayed exactly:"
+                f" {self._unreplayable}; {_WAYS}"
             )
         key = _key(t)
         gen = generator(device)

@@ -231,7 +231,7 @@ class SetupRecipeMixin:
             yield
             return
         start = generator(self.root_device).get_state()
-        with torch.device("meta"), warnings.catch_warnings(record=True) as caught, InitTape() as tape:
+        with torch.device("meta"), warnings.catch_warnings(record=True) as caught, InitTape(self.root_device) as tape:
             warnings.simplefilter("always")
             try:
                 yield

@@ -114,3 +114,30 @@ def test_a_tensor_made_outside_the_tape_is_refused():
     tape.close(CPU, start)
     with pytest.raises(ConfigurationError, match="made outside configure_model"):
         tape.value(meta.weight, CPU)
+
+
+class _Reseeds(nn.Module):
+    """``torch.manual_seed`` in the build: before any draw (exact: the state it sets is the eager build's), or after
+    one (the state the eager build draws from next includes draws meta skipped)."""
+
+    def __init__(self, after_a_draw: bool) -> None:
+        super().__init__()
+        if not after_a_draw:
+            torch.manual_seed(7)
+        self.a = nn.Linear(4, 4)
+        if after_a_draw:
+            torch.manual_seed(7)
+        self.b = nn.Linear(4, 4)
+
+
+def test_a_reseed_before_any_draw_is_replayed_after_one_refused():
+    torch.manual_seed(3)
+    eager = _Reseeds(after_a_draw=False)
+    meta, tape, start = _recorded(lambda: _Reseeds(after_a_draw=False))
+    tape.close(CPU, start)
+    for name, t in meta.state_dict(keep_vars=True).items():
+        assert torch.equal(tape.value(t, CPU), eager.state_dict()[name]), name
+    meta, tape, start = _recorded(lambda: _Reseeds(after_a_draw=True))
+    tape.close(CPU, start)
+    with pytest.raises(ConfigurationError, match="changes torch's generator at .*test_init_replay.py"):
+        tape.value(meta.b.weight, CPU)
