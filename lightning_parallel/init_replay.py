@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_parallel.block_protocol import ConfigurationError
 
+CPU = torch.device("cpu")
 _IS_META = torch._C.TensorBase.__dict__["is_meta"]  # read by the nn.init functions that skip meta tensors
 # torch.nn.init functions that return at once on a meta tensor (no torch call to see): their frame is recorded
 _SKIPPING = {
@@ -129,7 +130,7 @@ class InitTape(TorchFunctionMode):
     """Records the torch calls that make or write meta tensors (module docstring). Open it innermost, inside the
     ``torch.device("meta")`` context, so factories are recorded without the device that context adds."""
 
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, device: torch.device = CPU) -> None:
         super().__init__()
         self.calls: list[_Call] = []
         self._writers: dict[int, list[int]] = {}  # storage -> indices of the calls writing it (making, views)
