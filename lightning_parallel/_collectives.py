@@ -533,6 +533,30 @@ def _unpack(header: list[int], payload: Tensor, spec: Spec) -> tuple[list[Tensor
     return parts, header[-1] / 1e6, spec
 
 
+def settled(t: Any) -> Any:
+    """``t`` waited (gradients pass through), where an asynchronous functional collective made it (an
+    ``AsyncCollectiveTensor``: the output of a tensor-parallel plan's module, which DTensor redistributes with
+    ``async_op=True``); else ``t``. The pipeline drops such values (the trunk input a stage that does not run the
+    first block captures, or recomputes and replaces: ``pipeline/capture.py``), so nothing would wait on them:
+    their collectives would stay registered, holding their outputs, until the process ends (torch warns of
+    "unwaited collective calls")."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return _Waited.apply(t) if isinstance(t, AsyncCollectiveTensor) else t
+
+
+class _Waited(torch.autograd.Function):
+    """An asynchronous collective's output, waited; the identity for gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor) -> Tensor:  # type: ignore[override]
+        return t.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+
 # ------------------------------------------------------------------- differentiable (sequence parallel)
 def all_to_all_autograd(tensor: Tensor, group: ProcessGroup) -> Tensor:
     """Equal-split all-to-all along dim 0 whose backward is the inverse all-to-all (functional

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel import _collectives
 from lightning_parallel.trunk import Trunk
 
 BlockArgs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -133,7 +134,7 @@ def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
                     "pipelining needs every block called once per trunk pass, in order"
                 )
             if j == 0:
-                state["input"] = hidden = settled(hidden)
+                state["input"] = hidden = _collectives.settled(hidden)
             elif not _same_tensor(hidden, state["last_out"]):
                 raise TrunkCallError(
                     f"block {j} of trunk {trunk.path!r} did not receive block {j - 1}'s output as its hidden state;"
@@ -189,7 +190,7 @@ def substitute(trunk: Trunk, step: Callable[[], Any], trunk_output: Any) -> Any:
         def passthrough(*a: Any, **kw: Any) -> Any:
             hidden, _ = split_hidden(trunk, a, kw)
             if j == 0:
-                settled(hidden)  # (dropped: the trunk's output replaces what the blocks would make of it)
+                _collectives.settled(hidden)  # (dropped: the trunk's output replaces what the blocks would make of it)
                 passes[0] += 1
                 if passes[0] > 1:
                     raise TrunkCallError(
@@ -215,29 +216,6 @@ def loss_of(output: Any) -> Tensor:
     raise ValueError(
         f"training_step must return the loss (a tensor or a dict with 'loss'); got {type(output).__name__}"
     )
-
-
-def settled(t: Any) -> Any:
-    """``t`` waited (gradients pass through), where an asynchronous functional collective made it (an
-    ``AsyncCollectiveTensor``: the output of a tensor-parallel plan's module, which DTensor redistributes with
-    ``async_op=True``); else ``t``. The pipeline drops such values (the trunk input a stage that does not run the
-    first block captures, or recomputes and replaces), so nothing would wait on them: their collectives would stay
-    registered, holding their outputs, until the process ends (torch warns of "unwaited collective calls")."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return _Waited.apply(t) if isinstance(t, AsyncCollectiveTensor) else t
-
-
-class _Waited(torch.autograd.Function):
-    """An asynchronous collective's output, waited; the identity for gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, t: Tensor) -> Tensor:  # type: ignore[override]
-        return t.wait()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        return grad
 
 
 def _same_tensor(a: Any, b: Any) -> bool:

@@ -35,7 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_parallel.pipeline.capture import _forwards, settled, split_hidden, wrap_output
+from lightning_parallel._collectives import settled
+from lightning_parallel.pipeline.capture import _forwards, split_hidden, wrap_output
 from lightning_parallel.trunk import Trunk
 
 
