@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel import watchdog
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
 from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
 from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Unsupported
@@ -128,6 +129,19 @@ def first_verified(
     the caller across a trunk's blocks): ``(source, fingerprint)`` of the blocks verified so far; a source whose
     code serves the whole family (``family_level``: an adapter, the model's own forward) is not verified again
     on a block of a fingerprint it verified on (a traced graph is verified on every block it serves)."""
+    with watchdog.bounded(f"the verification of {type(block).__name__} for {features(config)}"):
+        return _first_verified(block, sample, config, winner, build, groups, proven)
+
+
+def _first_verified(
+    block: nn.Module,
+    sample: tuple[Tensor, tuple, dict],
+    config: Any,
+    winner: str | None,
+    build: Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]],
+    groups: list[Any],
+    proven: set[tuple] | None,
+) -> tuple[str, Any]:
     x, args, kwargs = sample
     reasons: list[str] = []
     mark = fingerprint(block) if proven is not None else None

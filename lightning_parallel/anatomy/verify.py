@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from lightning_parallel import _collectives
+from lightning_parallel import _collectives, watchdog
 from lightning_parallel.block_protocol import ConfigurationError
 
 TOLERANCE = dict(rtol=1e-9, atol=1e-10)
@@ -188,6 +188,7 @@ def _compare(block: nn.Module, build: Callable[[nn.Module], tuple[Callable[..., 
         raise
     except Exception as err:  # noqa: BLE001  (any other failure of a candidate is a reason to refuse it)
         what = f"it raised {type(err).__name__}: {err}"
+        watchdog.note(f"{name} failed here: {what}")
     else:
         if out.shape != ref_out.shape or not _close(out, ref_out, tolerance):
             problems.append("output")

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _collectives
+from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.trunk import Trunk
 
 BlockArgs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -42,15 +43,49 @@ NONE_RETURNED = (
 
 
 class TrunkCallError(RuntimeError):
-    """The step does not call the trunk the way pipelining needs (once, in order, hidden state chained).
+    """The step does not call the trunk the way pipelining needs (once, in order, hidden state chained)."""
 
-    ``first_call`` holds the first block's hidden state and arguments when they were seen, so the caller
-    can learn the blocks' output structure and try again (see ``probe_output_structure``).
-    """
 
-    def __init__(self, message: str, first_call: tuple[Tensor, BlockArgs] | None = None) -> None:
-        super().__init__(message)
-        self.first_call = first_call
+class NotCarried:
+    """Stands, in what the pipeline's stand-in blocks return, for a block output other than the hidden state
+    (a position bias, cached keys): pipeline stages pass only the hidden state from block to block."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<output {self.index} of a block, not carried between pipeline stages>"
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigurationError(
+            f"the step reads {name!r} of output {self.index} of a trunk block; pipelined training carries only"
+            " a block's hidden state (output 0) between stages; use a strategy that keeps the trunk whole"
+            " (tensor_parallel, sequence_parallel, hybrid)"
+        )
+
+
+def structure_of(output: Any) -> Any:
+    """``None`` for a tensor output, else a tuple/list of the same length: ``None`` where the block returned
+    ``None``, a :class:`NotCarried` where it returned anything else (its hidden state first)."""
+    if not isinstance(output, (tuple, list)):
+        return None
+    return type(output)([None, *(None if o is None else NotCarried(k) for k, o in enumerate(output) if k > 0)])
+
+
+def refuse_not_carried(trunk: Trunk, j: int, args: tuple, kwargs: dict) -> None:
+    """Refuse block ``j``'s call if an argument is another block's output that stages do not carry (T5's
+    position bias, computed by its first layer and passed on to every later one)."""
+    from torch.utils._pytree import tree_flatten
+
+    named = [(f"positional argument {k + 1}", a) for k, a in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        if any(isinstance(leaf, NotCarried) for leaf in tree_flatten(value)[0]):
+            raise ConfigurationError(
+                f"block {j} of trunk {trunk.path!r} ({type(trunk.blocks[j]).__name__}) takes as {name} what an"
+                f" earlier block returned besides its hidden state ({value!r}); the stages of a pipeline (pipeline,"
+                " helix) carry only the hidden state from block to block, so this model cannot be pipelined; use"
+                " tensor_parallel, sequence_parallel or hybrid, which keep the trunk whole"
+            )
 
 
 @dataclass
@@ -119,11 +154,18 @@ def _forwards(
                 b.forward = old
 
 
-def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
-    """Run ``step`` up to the trunk's last block call and return what the trunk was given."""
+def capture(
+    trunk: Trunk, step: Callable[[], Any], output_like: Any, probe: Callable[[], nn.Module] | None
+) -> tuple[Capture, Any]:
+    """Run ``step`` up to the trunk's last block call; return what the trunk was given and the blocks' output
+    structure: ``output_like``, or where ``probe`` is given (it makes a block whose parameters are on meta),
+    learned at the first block's call from ``probe()`` called on meta tensors (:func:`probe_output_structure`),
+    so that user code indexing a block's output (``layer(h)[0]``, ``h, bias = layer(h, bias)``) sees its
+    structure. An argument that is another block's output other than its hidden state is refused
+    (:func:`refuse_not_carried`)."""
     n = len(trunk)
     args: list[BlockArgs | None] = [None] * n
-    state: dict[str, Any] = {"next": 0, "input": None, "last_out": None}
+    state: dict[str, Any] = {"next": 0, "input": None, "last_out": None, "like": output_like}
 
     def make(j: int, block: nn.Module) -> Callable[..., Any]:
         def record(*a: Any, **kw: Any) -> Any:
@@ -135,18 +177,20 @@ def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
                 )
             if j == 0:
                 state["input"] = hidden = _collectives.settled(hidden)
+                if probe is not None:
+                    state["like"] = probe_output_structure(probe(), hidden, rest, state["like"])
             elif not _same_tensor(hidden, state["last_out"]):
                 raise TrunkCallError(
                     f"block {j} of trunk {trunk.path!r} did not receive block {j - 1}'s output as its hidden state;"
-                    " pipelining needs the hidden state passed directly from block to block",
-                    first_call=(state["input"], args[0]),
+                    " pipelining needs the hidden state passed directly from block to block"
                 )
+            refuse_not_carried(trunk, j, *rest)
             args[j] = rest
             state["next"] = j + 1
             if j == n - 1:
                 raise _TrunkExit
             state["last_out"] = hidden
-            return wrap_output(hidden, output_like)
+            return wrap_output(hidden, state["like"])
 
         return record
 
@@ -161,24 +205,7 @@ def capture(trunk: Trunk, step: Callable[[], Any], output_like: Any) -> Capture:
             raise TrunkCallError(
                 f"the step returned after calling {state['next']} of the {n} blocks of trunk {trunk.path!r}"
             )
-    return Capture(trunk_input=state["input"], block_args=args)  # type: ignore[arg-type]
-
-
-def capture_learning(
-    trunk: Trunk, step: Callable[[], Any], output_like: Any, probe: Callable[[], nn.Module] | None
-) -> tuple[Capture, Any]:
-    """:func:`capture`; if user code indexed a block's output (``layer(h)[0]``) before its structure was known,
-    the structure is learned from a call of ``probe()`` (a block whose parameters are on meta) on meta tensors
-    and the capture is retried. Returns the capture and the blocks' output structure."""
-    try:
-        return capture(trunk, step, output_like), output_like
-    except TrunkCallError as err:
-        if err.first_call is None or probe is None:
-            raise
-        output_like = probe_output_structure(probe(), *err.first_call)
-        if output_like is None:
-            raise
-        return capture(trunk, step, output_like), output_like
+    return Capture(trunk_input=state["input"], block_args=args), state["like"]  # type: ignore[arg-type]
 
 
 def substitute(trunk: Trunk, step: Callable[[], Any], trunk_output: Any) -> Any:
@@ -222,16 +249,17 @@ def _same_tensor(a: Any, b: Any) -> bool:
     return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.data_ptr() == b.data_ptr()
 
 
-def probe_output_structure(block: nn.Module, hidden: Tensor, block_args: BlockArgs) -> Any:
-    """The output structure of ``block`` (whose parameters are on ``meta``), from a call on ``meta`` tensors.
-
-    Returns ``None`` for a tensor output, else a tuple/list of the same length (hidden state first).
-    """
+def probe_output_structure(block: nn.Module, hidden: Tensor, block_args: BlockArgs, default: Any = None) -> Any:
+    """The output structure (:func:`structure_of`) of ``block`` (whose parameters are on ``meta``), from a call
+    on ``meta`` tensors; ``default`` where the block cannot run on meta (a kernel with no meta version)."""
     from torch.utils._pytree import tree_map
 
     to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
     a, kw = tree_map(to_meta, block_args)  # nested too (e.g. rotary tables as a tuple)
-    with torch.no_grad():
-        # the class's own forward: the instance's may be replaced by a recorder right now
-        out = type(block).forward(block, to_meta(hidden), *a, **kw)
-    return type(out)([None] * len(out)) if isinstance(out, (tuple, list)) else None
+    try:
+        with torch.no_grad():
+            # the class's own forward: the instance's may be replaced by a recorder right now
+            out = type(block).forward(block, to_meta(hidden), *a, **kw)
+    except Exception:  # noqa: BLE001  (the structure stays unknown: user code indexing the output then fails)
+        return default
+    return structure_of(out)

@@ -45,9 +45,11 @@ from lightning_parallel import _collectives
 from lightning_parallel.pipeline.capture import (
     Capture,
     _forwards,
-    capture_learning,
+    capture,
     probe_output_structure,
+    refuse_not_carried,
     split_hidden,
+    structure_of,
     substitute,
     unwrap_output,
     wrap_output,
@@ -67,11 +69,6 @@ def detached(output: Any) -> Any:
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
-
-
-def structure_of(output: Any) -> Any:
-    """``None`` for a tensor output, else an empty tuple/list of the same length (hidden state first)."""
-    return type(output)([None] * len(output)) if isinstance(output, (tuple, list)) else None
 
 
 @dataclass
@@ -254,14 +251,13 @@ class PipelineRuntime:
         """Before action ``i`` runs: post receives of later actions ahead (HelixPipe)."""
 
     def capture_step(self, step: Callable[[], Any], probe: nn.Module | None = None) -> Capture:
-        """``capture.capture`` of ``step``; if user code indexed a block's output (``layer(h)[0]``) before its
-        structure was known, the structure is learned from a call of ``probe`` (a freed block, or any block
-        when ``probe`` is given) on meta tensors and the capture is retried."""
+        """``capture.capture`` of ``step``; until the blocks' output structure is known, it is learned at the first
+        block's call from ``probe`` (a freed block, or any block when ``probe`` is given) called on meta tensors."""
         block = probe if probe is not None else (self.trunk.blocks[self._freed] if self._freed is not None else None)
         self.phase = "capture"
         try:
             learn = None if self._like_known or block is None else (lambda: block)
-            cap, like = capture_learning(self.trunk, step, self.output_like, learn)
+            cap, like = capture(self.trunk, step, self.output_like, learn)
             if learn is not None and like is not self.output_like:
                 self.output_like, self._like_known = like, True
             return cap
@@ -407,6 +403,7 @@ class PipelineRuntime:
 
             def forward(*a: Any, **kw: Any) -> Any:
                 hidden, (args, kwargs) = split_hidden(self.trunk, a, kw)
+                refuse_not_carried(self.trunk, j, args, kwargs)
                 out, mine = self._evaluate_block(ev, j, block, real, hidden, args, kwargs)
                 if j < last:
                     return out if out is not None else wrap_output(hidden, self.output_like)

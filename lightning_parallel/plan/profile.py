@@ -40,7 +40,7 @@ from lightning_parallel.blocks import BlockConfig, apply_recompute
 from lightning_parallel.memory import kept_at_width, kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,
-    capture_learning,
+    capture,
     loss_of,
     substitute,
     unwrap_output,
@@ -59,7 +59,7 @@ def crop(batch: Any, seq_len: int) -> Any:
 
 
 def _capture(trunk: Trunk, step: Callable[[], Any]) -> tuple[Capture, Any]:
-    return capture_learning(trunk, step, None, lambda: trunk.blocks[0])
+    return capture(trunk, step, None, lambda: copy.deepcopy(trunk.blocks[0]).to("meta"))
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_parallel import _collectives
+from lightning_parallel import _collectives, watchdog
 from lightning_parallel.mesh import AXES, DP, PP, ParallelDims
 from lightning_parallel.strategies import _failures
 from lightning_parallel.strategies._full_shard import check_full
@@ -170,12 +170,19 @@ class ProcessesMixin:
             grid = self._mesh.mesh.movedim(AXES.index(PP), -1).reshape(-1, dims.pp).tolist()
             self._lanes = _collectives.make_lanes(grid, self.pp_group)
         self._peers = _collectives.all_gather_object(_failures.whoami())  # to name a rank that dies
+        bound = self._first_step_timeout
+        watchdog.configure(
+            None if bound is None else bound.total_seconds(),
+            self.global_rank,
+            lambda: _failures.mark_raised(self._peers, self.global_rank),  # ended by its own hand, not killed
+        )
         if self.local_rank == 0:
             _failures.remove_stale_markers()  # of jobs that ended (launched by torchrun, SLURM...)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A connection error caused by a peer that died: say which, first (its traceback never comes)."""
+        watchdog.disarm()  # the error is reported from here on
         peers = getattr(self, "_peers", None)
         if peers and _failures.is_connection_failure(exception):
             line = _failures.dead_peers_line(peers, self.global_rank)

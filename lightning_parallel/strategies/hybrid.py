@@ -37,13 +37,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel import _collectives
+from lightning_parallel import _collectives, watchdog
 from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockLayer
 from lightning_parallel.init_replay import InitTape
 from lightning_parallel.mesh import DP, SP, TP, ParallelDims, Size, check_size
-from lightning_parallel.pipeline.capture import capture_learning
+from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies import _failures, _sharding
@@ -63,6 +63,8 @@ from lightning_parallel.token_mean import CrossEntropyCalls, global_means, say_s
 from lightning_parallel.trunk import discover_trunk, materialised_to
 
 log = logging.getLogger(__name__)
+
+FIRST_STEP = "the first training step (its verification, placement and first messages included)"
 
 
 def _blocks_of(module: LightningModule, path: Optional[str]) -> list[torch.nn.Module]:
@@ -109,6 +111,9 @@ class HybridParallelStrategy(
             :mod:`lightning_parallel.anatomy.resolve`).
         process_group_backend: ``"gloo"``, ``"nccl"``...; default: nccl on CUDA, gloo on CPU.
         timeout: timeout of the process group's collectives.
+        first_step_timeout: a bound on the first training step and on each block's verification
+            (:mod:`lightning_parallel.watchdog`): a rank still in one after this long prints what it was doing and
+            ends, and its peers follow, instead of every rank waiting for ``timeout``; ``None``: unbounded.
         recompute: activation recomputation of the trunk's blocks: ``"none"``, ``"full"``, ``"every_n"``,
             ``"selective"`` or ``"no_attention"`` (see :mod:`lightning_parallel.recompute`).
         recompute_every_n: with ``"every_n"``, blocks 0, n, 2n, ... are recomputed.
@@ -165,6 +170,7 @@ class HybridParallelStrategy(
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(minutes=30),
+        first_step_timeout: Optional[timedelta] = timedelta(minutes=15),
         recompute: Policy = "none",
         recompute_every_n: Optional[int] = None,
         mlp_chunks: int = 1,
@@ -257,6 +263,8 @@ class HybridParallelStrategy(
         self._configure_on_meta = configure_model_on_meta
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._first_step_timeout = first_step_timeout
+        self._first_step = True  # the first training batch is still to start (bounded by the watchdog)
         self._start_method = start_method
         self._num_nodes = 1
         self._dims: Optional[ParallelDims] = None
@@ -364,9 +372,9 @@ class HybridParallelStrategy(
             self._commit_then_fully_shard(self._capture_trunk, lambda: step(*args, **kwargs))
 
     def _capture_trunk(self, step: Callable[[], Any]) -> Any:
-        """``step`` captured up to the trunk (:func:`lightning_parallel.pipeline.capture.capture_learning`)."""
+        """``step`` captured up to the trunk (:func:`lightning_parallel.pipeline.capture.capture`)."""
         trunk = self._blocks.trunk
-        return capture_learning(trunk, step, None, lambda: copy.deepcopy(trunk.blocks[0]).to("meta"))[0]
+        return capture(trunk, step, None, lambda: copy.deepcopy(trunk.blocks[0]).to("meta"))[0]
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -382,6 +390,18 @@ class HybridParallelStrategy(
         optimizer: Optimizer,
         closure: Callable[[], Any],
         model: Optional[Union[LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        try:
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            watchdog.disarm()  # the first step is over (a later step is not bounded)
+
+    def _optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, torch.nn.Module]],
         **kwargs: Any,
     ) -> Any:
         def closure_then_sync() -> Any:
@@ -413,6 +433,14 @@ class HybridParallelStrategy(
         if group is None or dp == 1:
             return
         self._average_over_dp(optimizer, group)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        watchdog.disarm()  # a first batch that stepped no optimizer ends its bound here
+        if self._first_step:
+            self._first_step = False
+            watchdog.arm(FIRST_STEP)
+        super().on_train_batch_start(batch, batch_idx)
 
     # -------------------------------------------------------------- collectives
     @override
@@ -463,6 +491,7 @@ class HybridParallelStrategy(
     def teardown(self) -> None:
         # Strategy.teardown calls lightning_module.cpu(), which can neither copy freed (meta) blocks nor swap
         # tensor-parallel DTensor parameters (the error it raised hid the real one after a failure)
+        watchdog.disarm()
         lm = self.lightning_module
         if lm is not None:
             lm.cpu = lambda: materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]

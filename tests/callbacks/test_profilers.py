@@ -174,7 +174,9 @@ def test_gpipe_measured_bubble_within_005_of_theory(m):
             # gated on the virtual clock: the schedule replayed with this run's measured costs, which a loaded
             # machine moves together with the measured bubble (the formula itself: tests/unit/test_schedules.py)
             assert abs(got[f"bubble/stage_{s}"] - got[f"bubble/theory_stage_{s}"]) <= 0.05, (s, got)
-            assert got[f"bubble/theory_stage_{s}"] == pytest.approx(theory, abs=0.1), (s, got)  # roughly equal costs
+            # the set-up itself: stages of roughly equal cost (a loaded machine unbalances them: 0.30 against 0.20
+            # was seen at m=4 on CI, so this bound is wide; a schedule that ran no bubble or all bubble fails it)
+            assert got[f"bubble/theory_stage_{s}"] == pytest.approx(theory, abs=0.15), (s, got)
         assert abs(got["bubble/mean"] - got["bubble/theory_mean"]) <= 0.05
         assert 0 <= got["comm/mean"] < 0.05  # tiny messages between two local processes
         trace = json.loads((Path(root) / "bubble_trace.json").read_text())

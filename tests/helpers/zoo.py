@@ -71,6 +71,29 @@ def hf_config(family: str, vocab: int, layers: int):
         return tf.SmolLM3Config(**llama_like, pad_token_id=None, bos_token_id=None, eos_token_id=None, **drop)
     if family == "mixtral":
         return tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2, **drop)
+    no_ids = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if family == "gpt_oss":  # learned attention sinks, sliding and full layers, biased experts
+        return tf.GptOssConfig(**llama_like, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"] * (layers // 2), **no_ids,
+                               **drop)  # fmt: skip
+    if family == "deepseek_v3":  # latent attention (low-rank q and kv, rope and non-rope parts, v head size 8)
+        return tf.DeepseekV3Config(hidden_size=H, intermediate_size=64, moe_intermediate_size=16,
+                                   num_attention_heads=4, num_key_value_heads=4, vocab_size=vocab,
+                                   num_hidden_layers=layers, n_routed_experts=4, n_shared_experts=1,
+                                   num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                   kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                   v_head_dim=8, **no_ids, **drop)  # fmt: skip
+    if family == "qwen3_moe":  # routed top-k experts as 3-D weights
+        return tf.Qwen3MoeConfig(**llama_like, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, **drop)  # fmt: skip
+    if family == "qwen3_next":  # gated DeltaNet on 3 of 4 layers, full attention on the 4th; MoE with a shared expert
+        return tf.Qwen3NextConfig(**llama_like, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                  shared_expert_intermediate_size=16, **no_ids, **drop)  # fmt: skip
+    if family == "falcon_h1":  # attention and a Mamba-2 mixer side by side in every layer
+        return tf.FalconH1Config(**llama_like, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+                                 mamba_d_conv=4, mamba_chunk_size=8, **no_ids, **drop)  # fmt: skip
     if family == "bert":
         return tf.BertConfig(hidden_size=H, intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0, **common)  # fmt: skip
@@ -114,6 +137,28 @@ class HFMaskedLM(_Optim, L.LightningModule):
         inputs = torch.where(masked, torch.full_like(idx, self.mask_id), idx)
         labels = torch.where(masked, idx, torch.full_like(idx, -100))
         loss = self.model(input_ids=inputs, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
+
+
+class HFT5Encoder(_Optim, L.LightningModule):
+    """T5's encoder with a linear head predicting the next character: its first layer computes the relative
+    position bias that every later layer takes as an argument (a block's second output)."""
+
+    def __init__(self, vocab_size: int, num_layers: int = 2, lr: float = 0.05, optimizer: str = "sgd"):
+        super().__init__()
+        import transformers
+
+        config = transformers.T5Config(vocab_size=vocab_size, d_model=H, d_kv=8, d_ff=64, num_layers=num_layers,
+                                       num_heads=4, dropout_rate=0.0)  # fmt: skip
+        self.model = transformers.T5EncoderModel(config)
+        self.head = nn.Linear(H, vocab_size, bias=False)
+        self.lr, self.opt = lr, optimizer
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        hidden = self.model(input_ids=idx).last_hidden_state
+        loss = F.cross_entropy(self.head(hidden).flatten(0, 1), targets.flatten())
         self.log("train_loss", loss)
         return loss
 
@@ -298,6 +343,9 @@ HF_FAMILIES = (
     "mixtral",
 )
 ROWS = (*(f"hf:{f}" for f in HF_FAMILIES), "hf:bert", "litgpt", "timm:vit", "lightning:demo", "home:rope", "home:fused")
+HF_FAMILIES_2026 = ("gpt_oss", "deepseek_v3", "qwen3_moe", "qwen3_next", "falcon_h1")
+# what the parity helper builds: the matrix's rows, and models tested on their own
+MODELS = (*ROWS, *(f"hf:{f}" for f in HF_FAMILIES_2026), "hf:t5_encoder")
 
 
 def build(
@@ -310,6 +358,8 @@ def build(
     vocab = data.vocab_size
     if row == "hf:bert":
         return HFMaskedLM(vocab, lr=lr, optimizer=optimizer), data
+    if row == "hf:t5_encoder":
+        return HFT5Encoder(vocab, lr=lr, optimizer=optimizer), data
     if row.startswith("hf:"):
         return HFCausalLM(row[3:], vocab, lr=lr, optimizer=optimizer), data
     if row == "litgpt":

@@ -248,7 +248,8 @@ KILLED_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize(
     "strategy,when",
     [
-        ("pipeline", "step"),
+        # slow tier (time): a rank killed in a pipeline's step is tests/strategies/test_killed_ranks.py's fast case
+        pytest.param("pipeline", "step", marks=pytest.mark.slow),
         # slow tier (time): HybridParallelStrategy's failure path is the pipeline's; its SIGTERM test stays fast
         pytest.param("tensor_parallel", "step", marks=pytest.mark.slow),
         ("pipeline", "save"),

@@ -29,6 +29,10 @@ _FUSED = tuple(
     if hasattr(aten, n)
 )
 _ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+# ops that mix tokens along a dimension of their input: a convolution over its spatial dims, a scan along one
+_CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                 aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding}  # fmt: skip
+_MIXERS = {*_CONVOLUTIONS, aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default}
 _FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format, aten.rand.default,
               aten.randn.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
               aten.new_empty.default, aten.zeros_like.default}  # fmt: skip
@@ -49,6 +53,7 @@ class Site:
     positions: list[fx.Node] = field(default_factory=list)  # arange(T) inside the block
     table_slices: list[fx.Node] = field(default_factory=list)  # table[:T] inside the block
     sequence_factories: list[fx.Node] = field(default_factory=list)  # other tensors the block creates over T
+    sequence_mixers: list[fx.Node] = field(default_factory=list)  # convolutions / scans of the hidden state over T
 
     @property
     def qkv(self) -> tuple[fx.Node, fx.Node, fx.Node]:
@@ -100,7 +105,21 @@ def analyse(program: Program) -> Site:
     site = Site(attention, kind, heads, kv_heads, seq, dims[0])
     _sequence_inputs(site, inputs)
     _sources(site, graph)
+    reads_hidden = _descendants(inputs[0])
+    site.sequence_mixers = [n for n in graph.nodes if n in reads_hidden and _spans_sequence(n, seq)]
     return site
+
+
+def _spans_sequence(node: fx.Node, seq: Any) -> bool:
+    """Whether ``node`` mixes its input along the sequence (a Mamba or linear-attention mixer's causal
+    convolution, the cumulative sums of its scan): a convolution over a spatial dim of length T, a scan along a
+    dim of length T."""
+    if node.op != "call_function" or node.target not in _MIXERS:
+        return False
+    shape = node.args[0].meta["val"].shape
+    if node.target in _CONVOLUTIONS:
+        return any(expr_of(size) == seq for size in shape[2:])
+    return expr_of(shape[node.args[1]]) == seq
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -115,9 +134,9 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _descendants(node: fx.Node, stop: fx.Node) -> set[fx.Node]:
-    """What reads ``node``'s data up to ``stop`` (a read of its size, e.g. a batch size taken from a mask, is
-    not a read of its data)."""
+def _descendants(node: fx.Node, stop: fx.Node | None = None) -> set[fx.Node]:
+    """What reads ``node``'s data, up to ``stop`` if given (a read of its size, e.g. a batch size taken from a
+    mask, is not a read of its data)."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:

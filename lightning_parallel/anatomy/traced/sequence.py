@@ -52,6 +52,14 @@ def sequence_parallel(program: Program, site: Site) -> Program:
     """``program`` on a sequence shard; the shard is the program's last input."""
     if site.kind != "sdpa":
         raise Unsupported("only an SDPA attention call can be distributed from a traced graph")
+    if site.sequence_mixers:
+        names = ", ".join(f"{n.name} ({n.target})" for n in site.sequence_mixers[:3])
+        raise Unsupported(
+            f"the block mixes tokens along the sequence outside its attention call ({names}: the convolution or scan"
+            " of a recurrent mixer such as Mamba or a linear attention); split over ranks it would see only their"
+            " tokens, and passing its state between ranks (LASP) is not supported; train it under pipeline, helix"
+            " or tensor_parallel"
+        )
     if site.sequence_factories:
         names = ", ".join(f"{n.name} ({n.target})" for n in site.sequence_factories[:3])
         raise Unsupported(f"the block creates tensors over the sequence itself ({names}); they cannot be split")
