@@ -15,6 +15,7 @@ after other micro-batches ran) always sees that block's own saved inputs.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -136,11 +137,12 @@ def _forwards(
 ) -> Iterator[None]:
     """Temporarily replace each block's ``forward`` (an instance attribute; the class is untouched). With
     ``hooks=False`` the blocks' forward hooks are suspended too: a recorder or a pass-through computes
-    nothing, so neither FSDP's parameter gathering nor a user's hook should see it."""
+    nothing, so neither FSDP's parameter gathering nor a user's hook should see it. The replacements run
+    eagerly where the user compiled the block (``torch.compile`` of the layer): they are no part of its graph."""
     saved = [b.__dict__.get("forward") for b in blocks]
     hooked = [(b._forward_pre_hooks, b._forward_hooks) for b in blocks]
     for j, b in enumerate(blocks):
-        b.forward = make(j, b)
+        b.forward = torch._dynamo.disable(make(j, b))
         if not hooks:
             b._forward_pre_hooks, b._forward_hooks = OrderedDict(), OrderedDict()
     try:
@@ -250,10 +252,14 @@ def _same_tensor(a: Any, b: Any) -> bool:
 
 
 def probe_output_structure(block: nn.Module, hidden: Tensor, block_args: BlockArgs, default: Any = None) -> Any:
-    """The output structure (:func:`structure_of`) of ``block`` (whose parameters are on ``meta``), from a call
-    on ``meta`` tensors; ``default`` where the block cannot run on meta (a kernel with no meta version)."""
+    """The output structure (:func:`structure_of`) of ``block`` (its meta copy, where its parameters are real;
+    the module a ``torch.compile`` wrapper holds), from a call on ``meta`` tensors; ``default`` where the block
+    cannot run on meta (a kernel with no meta version)."""
     from torch.utils._pytree import tree_map
 
+    block = getattr(block, "_orig_mod", block)
+    if any(not t.is_meta for t in (*block.parameters(), *block.buffers())):
+        block = copy.deepcopy(block).to("meta")
     to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
     a, kw = tree_map(to_meta, block_args)  # nested too (e.g. rotary tables as a tuple)
     try:
