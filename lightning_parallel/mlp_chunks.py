@@ -5,6 +5,7 @@ the MLP; it imports nothing of this package but the block-call protocol."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -44,11 +45,25 @@ class ChunkedMLP:
         # contiguous: a slice along the sequence of a (B, T, H) batch is not, and some MLPs .view() their input
         parts = [part.contiguous() for part in torch.tensor_split(x, self.chunks, dim=self.dim)]
         outs = [original(self.owner, part, *args, **kwargs) for part in parts]
-        if isinstance(outs[0], Tensor):
-            return torch.cat(outs, dim=self.dim)
-        if isinstance(outs[0], (tuple, list)) and all(e is None for o in outs for e in o[1:]):  # (hidden, None)
-            return type(outs[0])([torch.cat([o[0] for o in outs], dim=self.dim), *outs[0][1:]])
+        return self._joined(outs, parts)
+
+    def _joined(self, outs: list[Any], parts: list[Tensor]) -> Any:
+        """The chunks' outputs as the whole sequence's: tensors along the sequence dim; a tuple element by element
+        (a mixture of experts' router scores beside its output, GPT-OSS); ``None`` stays ``None``; a tensor of one
+        row per token flattened batch-first (``(B*T, E)`` router scores) joined per token."""
+        first = outs[0]
+        if first is None and all(o is None for o in outs):
+            return None
+        if isinstance(first, (tuple, list)):
+            return type(first)(self._joined([o[k] for o in outs], parts) for k in range(len(first)))
+        if isinstance(first, Tensor):
+            lead = [p.shape[: self.dim + 1] for p in parts]  # (B, T_chunk): the tokens of a chunk, batch-first
+            if all(o.shape[: self.dim + 1] == s for o, s in zip(outs, lead)):
+                return torch.cat(outs, dim=self.dim)
+            if all(o.dim() >= 1 and o.shape[0] == math.prod(s) for o, s in zip(outs, lead)):
+                rows = [o.reshape(*s, *o.shape[1:]) for o, s in zip(outs, lead)]
+                return torch.cat(rows, dim=self.dim).flatten(0, self.dim)
         raise ValueError(
-            f"mlp_chunks={self.chunks}: the MLP of {self.block_name} returns {type(outs[0]).__name__}; chunking"
-            " needs a tensor (or a tuple whose other elements do not depend on the tokens)"
+            f"mlp_chunks={self.chunks}: the MLP of {self.block_name} returns {type(first).__name__}, which is not"
+            " one value per token; chunking needs outputs along the sequence (or one row per token)"
         )

@@ -94,6 +94,12 @@ def _attention(original: str) -> Any:
                 f" {type(module).__name__} call passed none: use sequence_parallel_mode='ulysses'"
             )
 
+        sinks = _sinks(module, kwargs)
+        if shard.mode == "ring" and sinks:
+            raise ConfigurationError(
+                f"sequence_parallel_mode='ring' does not run attention sinks (the {type(module).__name__} call has a"
+                f" learned logit per head in its softmax: {', '.join(sinks)}); use sequence_parallel_mode='ulysses'"
+            )
         whole = dict(kwargs)
         if shard.mode == "ulysses" and isinstance(kwargs.get("position_ids"), Tensor):
             # the function sees the whole sequence (for 1/sp of the heads): flash-attention's variable-length path
@@ -101,7 +107,13 @@ def _attention(original: str) -> Any:
             whole["position_ids"] = shard.gather(kwargs["position_ids"], -1)
 
         def inner(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return fn(module, q, k, v, attention_mask, **whole)[0].transpose(1, 2)
+            own, kw = module, whole
+            if sinks:  # this rank's head group (Ulysses: rank r holds heads r*H/sp...) and their sinks alone
+                group = q.shape[1]
+                heads = slice(shard.mesh.get_local_rank() * group, (shard.mesh.get_local_rank() + 1) * group)
+                own, kw = _SinksOf.cut(module, kwargs, heads)
+                kw = {**whole, **kw}
+            return fn(own, q, k, v, attention_mask, **kw)[0].transpose(1, 2)
 
         def info() -> AttentionCall:
             causal = getattr(module, "is_causal", True) and attention_mask is None
@@ -114,6 +126,33 @@ def _attention(original: str) -> Any:
 
     attention.__name__ = f"{PREFIX}{original}"
     return attention
+
+
+def _sinks(module: nn.Module, kwargs: dict) -> list[str]:
+    """Where an attention call takes learned sinks (a logit per head in the softmax's denominator, GPT-OSS):
+    ``module.sinks`` (the eager function reads it) and the ``s_aux=`` argument (flash-attention's)."""
+    found = ["sinks"] if isinstance(getattr(module, "sinks", None), Tensor) else []
+    return found + (["s_aux"] if isinstance(kwargs.get("s_aux"), Tensor) else [])
+
+
+class _SinksOf:
+    """An attention module as one Ulysses rank's head group sees it: its ``sinks`` cut to those heads (the
+    function reads them per head); every other attribute its own. The gradient of the cut flows into the
+    module's parameter, each rank's into its heads, and the sequence-parallel sum of block gradients adds
+    them up."""
+
+    def __init__(self, module: nn.Module, sinks: Tensor) -> None:
+        self.__dict__.update(_module=module, sinks=sinks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    @classmethod
+    def cut(cls, module: nn.Module, kwargs: dict, heads: slice) -> tuple[Any, dict]:
+        """The module and the keyword arguments with their sinks cut to ``heads``."""
+        own = cls(module, module.sinks[heads]) if isinstance(getattr(module, "sinks", None), Tensor) else module
+        kw = {"s_aux": kwargs["s_aux"][heads]} if isinstance(kwargs.get("s_aux"), Tensor) else {}
+        return own, kw
 
 
 def register(original: str) -> str:

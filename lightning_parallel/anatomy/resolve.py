@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_parallel import watchdog
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
+from lightning_parallel.anatomy.attends import attends
 from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
 from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Unsupported
 
@@ -143,6 +144,14 @@ def _first_verified(
     proven: set[tuple] | None,
 ) -> tuple[str, Any]:
     x, args, kwargs = sample
+    if (config.split or config.sp > 1) and config.adapter is None and not attends(block, sample):
+        raise AnatomyError(
+            f"no anatomy of {type(block).__name__} serves {features(config)}: the block computes no attention (no"
+            " attention call and no softmax over scores in a call on the first batch); its tokens mix through a"
+            " recurrent mixer (a linear attention, a state-space model) or not at all. HelixPipe cuts a block at"
+            " its attention call and sequence parallelism splits attention; train it under pipeline,"
+            " tensor_parallel or hybrid"
+        )
     reasons: list[str] = []
     mark = fingerprint(block) if proven is not None else None
     for source, anatomy in candidates(block, sample, config, winner):

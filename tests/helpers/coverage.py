@@ -92,6 +92,8 @@ ROW_TITLES = {
     "hf:falcon": "Hugging Face Falcon (new decoder architecture)",
     "hf:gptj": "Hugging Face GPT-J",
     "hf:mixtral": "Hugging Face Mixtral (MoE)",
+    "hf:qwen3_moe": "Hugging Face Qwen3-MoE (routed top-k, 3-D expert weights)",
+    "hf:falcon_h1": "Hugging Face Falcon-H1 (attention and Mamba-2 side by side)",
     "hf:bert": "Hugging Face BERT (masked LM)",
     "litgpt": "litgpt GPT",
     "timm:vit": "timm VisionTransformer (torchvision stubbed, see below)",

@@ -86,8 +86,9 @@ def hf_config(family: str, vocab: int, layers: int):
     if family == "qwen3_moe":  # routed top-k experts as 3-D weights
         return tf.Qwen3MoeConfig(**llama_like, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=16, **drop)  # fmt: skip
-    if family == "qwen3_next":  # gated DeltaNet on 3 of 4 layers, full attention on the 4th; MoE with a shared expert
+    if family == "qwen3_next":  # gated DeltaNet and full attention layers alternating; MoE with a shared expert
         return tf.Qwen3NextConfig(**llama_like, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                                  layer_types=["linear_attention", "full_attention"] * (layers // 2),
                                   linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                   shared_expert_intermediate_size=16, **no_ids, **drop)  # fmt: skip
@@ -342,10 +343,10 @@ HF_FAMILIES = (
     "gptj",
     "mixtral",
 )
-ROWS = (*(f"hf:{f}" for f in HF_FAMILIES), "hf:bert", "litgpt", "timm:vit", "lightning:demo", "home:rope", "home:fused")
-HF_FAMILIES_2026 = ("gpt_oss", "deepseek_v3", "qwen3_moe", "qwen3_next", "falcon_h1")
-# what the parity helper builds: the matrix's rows, and models tested on their own
-MODELS = (*ROWS, *(f"hf:{f}" for f in HF_FAMILIES_2026), "hf:t5_encoder")
+ROWS = (*(f"hf:{f}" for f in HF_FAMILIES), "hf:qwen3_moe", "hf:falcon_h1", "hf:bert", "litgpt", "timm:vit",
+        "lightning:demo", "home:rope", "home:fused")  # fmt: skip
+# what the parity helper builds: the matrix's rows, and models tested on their own (tests/strategies/test_families_2026.py)
+MODELS = (*ROWS, "hf:gpt_oss", "hf:deepseek_v3", "hf:qwen3_next", "hf:t5_encoder")
 
 
 def build(

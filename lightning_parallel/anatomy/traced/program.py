@@ -130,24 +130,33 @@ class Program:
         """The same program with the trace's float64 (and device) replaced by ``dtype`` and ``device``."""
         if dtype == self.dtype and device in (self.device, None):
             return self
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for node in self.graph.nodes:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-            env[node].args = fx.node.map_aggregate(env[node].args, lambda a: _retarget(a, dtype, device, self))
-            env[node].kwargs = fx.node.map_aggregate(env[node].kwargs, lambda a: _retarget(a, dtype, device, self))
-        root = nn.Module()
-        for name, value in self.gm.named_buffers():
-            root.register_buffer(name, value.to(dtype=dtype if value.is_floating_point() else None, device=device))
-        return replace(self, gm=fx.GraphModule(root, graph), dtype=dtype, device=device)
+        gm = retargeted_module(self.gm, (self.dtype, self.device), (dtype, device))
+        return replace(self, gm=gm, dtype=dtype, device=device)
 
 
-def _retarget(value: Any, dtype: torch.dtype, device: torch.device, program: Program) -> Any:
-    if isinstance(value, torch.dtype) and value == program.dtype:
-        return dtype
-    if isinstance(value, torch.device) and program.device is not None and value == program.device:
-        return device
-    return value
+def retargeted_module(gm: fx.GraphModule, traced: tuple[torch.dtype, Any], target: tuple[torch.dtype, Any]
+                      ) -> fx.GraphModule:  # fmt: skip
+    """``gm`` (traced in ``traced``'s dtype and device) with that dtype and device replaced by ``target``'s:
+    in its ops' arguments and its floating buffers (a sub-graph a program calls, e.g. a chunked MLP)."""
+    (old_dtype, old_device), (dtype, device) = traced, target
+
+    def retarget(value: Any) -> Any:
+        if isinstance(value, torch.dtype) and value == old_dtype:
+            return dtype
+        if isinstance(value, torch.device) and old_device is not None and value == old_device:
+            return device
+        return value
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        env[node].args = fx.node.map_aggregate(env[node].args, retarget)
+        env[node].kwargs = fx.node.map_aggregate(env[node].kwargs, retarget)
+    root = nn.Module()
+    for name, value in gm.named_buffers():
+        root.register_buffer(name, value.to(dtype=dtype if value.is_floating_point() else None, device=device))
+    return fx.GraphModule(root, graph)
 
 
 def _same_constant(a: Any, b: Any) -> bool:

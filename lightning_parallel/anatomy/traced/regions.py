@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_unflatten
 
 from lightning_parallel.anatomy.traced.analysis import Site, expr_of
 from lightning_parallel.anatomy.traced.labels import _ELEMENTWISE, _IDENTITY, projections
-from lightning_parallel.anatomy.traced.program import Program, _buffer, _param
+from lightning_parallel.anatomy.traced.program import Program, _buffer, _param, retargeted_module
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
 from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported
 
@@ -82,7 +82,10 @@ def _parameter_derived(program: Program) -> set[fx.Node]:
     return derived
 
 
-def _module_region(program: Program, path: str) -> tuple[set[fx.Node], fx.Node, fx.Node]:
+def _module_region(program: Program, path: str) -> tuple[set[fx.Node], fx.Node, fx.Node, dict[fx.Node, int]]:
+    """The nodes of module ``path``, its one input, its one output, and the sizes it reads from outside (a
+    size of the block's hidden state the trace took once, e.g. a mixture of experts' ``B, T, H = h.shape``)
+    as the dim of its input that has that size: a chunk's own size along it, when the region runs on chunks."""
     full = f"block.{path}"  # the trace wraps the block as `block`
 
     def inside(n: fx.Node) -> bool:
@@ -92,16 +95,26 @@ def _module_region(program: Program, path: str) -> tuple[set[fx.Node], fx.Node, 
     nodes = [n for n in program.graph.nodes if n.op == "call_function" and not _is_lookup(n) and inside(n)]
     region = set(nodes)
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in region and not _is_lookup(a)}
+    sizes = {a for a in inputs if a.target == torch.ops.aten.sym_size.int}
+    inputs -= sizes
     outputs = [n for n in nodes if any(u not in region for u in n.users)]
     if len(inputs) != 1 or len(outputs) != 1:
         raise Unsupported(f"mlp_module={path!r} is not one region with one input and one output in the graph")
-    return region, inputs.pop(), outputs[0]
+    h = next(iter(inputs))
+    shape = [expr_of(size) for size in h.meta["val"].shape]
+    dims = {}
+    for size in sizes:
+        if expr_of(size.meta["val"]) not in shape:
+            raise Unsupported(f"mlp_module={path!r} reads a size ({size.meta['val']}) its input {tuple(shape)} lacks")
+        dims[size] = shape.index(expr_of(size.meta["val"]))
+    return region, h, outputs[0], dims
 
 
 def chunk_mlp(program: Program, chunks: int, block_name: str, module: str | None = None) -> Program:
     """``program`` with its MLP run over ``chunks`` slices of the sequence."""
+    sizes: dict[fx.Node, int] = {}
     if module is not None:
-        region, h, out = _module_region(program, module)
+        region, h, out, sizes = _module_region(program, module)
     else:
         candidates = _mlp_regions(program)
         if not candidates:
@@ -109,8 +122,8 @@ def chunk_mlp(program: Program, chunks: int, block_name: str, module: str | None
         region, h, out = max(candidates, key=lambda c: sum(1 for n in c[0] if n.target is _param))
     dims = [d for d, size in enumerate(h.meta["val"].shape) if not isinstance(size, int)]
     dim = dims[-1] if dims else h.meta["val"].dim() - 2  # the sequence: the innermost symbolic dim
-    sub = _subgraph(program, region, [h], [out])
-    run = _chunked(sub, chunks, dim, block_name)
+    sub = _subgraph(program, region, [h], [out], sizes=sizes)
+    run = _chunked(sub, (program.dtype, program.device), chunks, dim, block_name)
 
     def rule(node: fx.Node, graph: fx.Graph, env: dict) -> Any:
         if node is out:
@@ -128,26 +141,37 @@ def _block(program: Program) -> fx.Node:
     return next(n for n in program.graph.nodes if n.op == "placeholder")
 
 
-def _chunked(sub: fx.GraphModule, chunks: int, dim: int, block_name: str) -> Callable[..., Tensor]:
+def _chunked(sub: fx.GraphModule, traced: tuple[torch.dtype, Any], chunks: int, dim: int, block_name: str
+             ) -> Callable[..., Tensor]:  # fmt: skip
+    """``sub`` run on ``chunks`` slices of its input along ``dim``, in the input's dtype and device (the
+    program that calls it is retargeted, this sub-graph with it per call)."""
+    variants = {traced: sub}
+
     def chunked_mlp(block: nn.Module, h: Tensor) -> Tensor:
+        key = (h.dtype, h.device if traced[1] is not None else None)
+        run = variants.get(key) or variants.setdefault(key, retargeted_module(sub, traced, key))
         if chunks > h.shape[dim]:
             raise ConfigurationError(
                 f"mlp_chunks={chunks} is larger than the sequence: the MLP input {tuple(h.shape)} of"
                 f" {block_name} has {h.shape[dim]} tokens along dim {dim}"
             )
         parts = [part.contiguous() for part in torch.tensor_split(h, chunks, dim=dim)]
-        return torch.cat([sub(block, part)[0] for part in parts], dim=dim)
+        return torch.cat([run(block, part)[0] for part in parts], dim=dim)
 
     return chunked_mlp
 
 
 def _subgraph(program: Program, nodes: set[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
-              lookups: bool = True) -> fx.GraphModule:  # fmt: skip
-    """A graph module ``(block, *inputs) -> tuple(outputs)`` of ``nodes`` (and the lookups they use)."""
+              lookups: bool = True, sizes: dict[fx.Node, int] | None = None) -> fx.GraphModule:  # fmt: skip
+    """A graph module ``(block, *inputs) -> tuple(outputs)`` of ``nodes`` (and the lookups they use); each node
+    of ``sizes`` is read again from the first input (``sym_size`` along its dim)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {_block(program): graph.placeholder("block")}
     for n in inputs:
         env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n, dim in (sizes or {}).items():
+        env[n] = graph.call_function(torch.ops.aten.sym_size.int, (env[inputs[0]], dim))
         env[n].meta = dict(n.meta)
     derived = _parameter_derived(program)  # lookups and what is computed from them alone (a transposed weight)
     for n in program.graph.nodes:

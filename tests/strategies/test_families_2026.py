@@ -1,0 +1,42 @@
+"""Families of 2026 outside the coverage matrix (tests/strategies/test_coverage.py has Qwen3-MoE and Falcon-H1):
+what trains and what is refused, by name, on every rank (docs/guide.md, "Limitations").
+
+- GPT-OSS: learned attention sinks (a logit per head in the softmax's denominator). Ulysses gives each rank its
+  head group's sinks (the attention function reads them per head) and trains; ring attention refuses them.
+- Qwen3-Next: gated DeltaNet layers (no attention) between full-attention layers. HelixPipe and sequence
+  parallelism refuse a block that computes no attention, at once (tracing a DeltaNet layer took tens of seconds
+  per rank, and 4 ranks on 2 cores ran past the harness's timeout); pipeline and tensor parallelism train it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.coverage import run_cell
+
+
+def test_attention_sinks_train_under_ulysses():
+    cell = run_cell("hf:gpt_oss", "ulysses")
+    assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
+
+
+def test_attention_sinks_are_refused_by_ring_attention_naming_ulysses():
+    cell = run_cell("hf:gpt_oss", "ring")
+    assert cell.status == "error", cell
+    assert "sequence_parallel_mode='ring' does not run attention sinks" in cell.message
+    assert "use sequence_parallel_mode='ulysses'" in cell.message
+
+
+@pytest.mark.parametrize("column", ["helix", pytest.param("ulysses", marks=pytest.mark.slow),
+                                    pytest.param("helix_tp", marks=pytest.mark.slow)])  # fmt: skip
+def test_a_block_without_attention_is_refused_by_helix_and_sequence_parallelism(column):
+    cell = run_cell("hf:qwen3_next", column)
+    assert cell.status == "error", cell
+    assert "no anatomy of Qwen3NextDecoderLayer serves" in cell.message
+    assert "the block computes no attention" in cell.message and "train it under pipeline" in cell.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("column", ["pipeline", "tensor_parallel"])
+def test_a_linear_attention_hybrid_trains_where_blocks_stay_whole(column):
+    assert run_cell("hf:qwen3_next", column).status == "parity"
