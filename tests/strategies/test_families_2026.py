@@ -3,6 +3,7 @@ what trains and what is refused, by name, on every rank (docs/guide.md, "Limitat
 
 - GPT-OSS: learned attention sinks (a logit per head in the softmax's denominator). Ulysses gives each rank its
   head group's sinks (the attention function reads them per head) and trains; ring attention refuses them.
+- DeepSeek-V3: multi-head latent attention; Ulysses trains it, tensor parallelism refuses it.
 - Qwen3-Next: gated DeltaNet layers (no attention) between full-attention layers. HelixPipe and sequence
   parallelism refuse a block that computes no attention, at once (tracing a DeltaNet layer took tens of seconds
   per rank, and 4 ranks on 2 cores ran past the harness's timeout); pipeline and tensor parallelism train it.
@@ -40,3 +41,18 @@ def test_a_block_without_attention_is_refused_by_helix_and_sequence_parallelism(
 @pytest.mark.parametrize("column", ["pipeline", "tensor_parallel"])
 def test_a_linear_attention_hybrid_trains_where_blocks_stay_whole(column):
     assert run_cell("hf:qwen3_next", column).status == "parity"
+
+
+def test_latent_attention_trains_under_ulysses():
+    """DeepSeek-V3's multi-head latent attention (low-rank q and kv, rope and non-rope head parts, v head size
+    apart from q/k's) with a shared-expert MoE: Ulysses trains it (the model's own attention on whole sequences)."""
+    cell = run_cell("hf:deepseek_v3", "ulysses")
+    assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
+
+
+@pytest.mark.slow
+def test_latent_attention_under_tensor_parallelism_is_refused_naming_the_plan_style():
+    """transformers' plan for DeepSeek-V3 shards the latent kv projection in a style ('mla_kv_a_proj') this
+    package does not apply, and the traced graph finds no projection to shard: refused, naming it."""
+    cell = run_cell("hf:deepseek_v3", "tensor_parallel")
+    assert cell.status == "error" and "'mla_kv_a_proj' is not one of" in cell.message, cell
