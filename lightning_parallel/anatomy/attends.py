@@ -45,6 +45,9 @@ def attends(block: nn.Module, sample: tuple[Tensor, tuple, dict]) -> bool:
     watch = _Attends(lengths)
     try:
         twin = copy.deepcopy(block)
+        for module in twin.modules():  # the user's hooks are not called for a look at the ops
+            module._forward_pre_hooks.clear()
+            module._forward_hooks.clear()
         detached = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (x, args, kwargs))
         with torch.no_grad(), torch.random.fork_rng(devices=[]), watch:
             # the class's own forward: the instance's may be the block layer's runner

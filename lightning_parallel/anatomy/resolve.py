@@ -131,48 +131,37 @@ def first_verified(
     code serves the whole family (``family_level``: an adapter, the model's own forward) is not verified again
     on a block of a fingerprint it verified on (a traced graph is verified on every block it serves)."""
     with watchdog.bounded(f"the verification of {type(block).__name__} for {features(config)}"):
-        return _first_verified(block, sample, config, winner, build, groups, proven)
-
-
-def _first_verified(
-    block: nn.Module,
-    sample: tuple[Tensor, tuple, dict],
-    config: Any,
-    winner: str | None,
-    build: Callable[[Any], Callable[[nn.Module], tuple[Any, Any]]],
-    groups: list[Any],
-    proven: set[tuple] | None,
-) -> tuple[str, Any]:
-    x, args, kwargs = sample
-    if (config.split or config.sp > 1) and config.adapter is None and not attends(block, sample):
-        raise AnatomyError(
-            f"no anatomy of {type(block).__name__} serves {features(config)}: the block computes no attention (no"
-            " attention call and no softmax over scores in a call on the first batch); its tokens mix through a"
-            " recurrent mixer (a linear attention, a state-space model) or not at all. HelixPipe cuts a block at"
-            " its attention call and sequence parallelism splits attention; train it under pipeline,"
-            " tensor_parallel or hybrid"
-        )
-    reasons: list[str] = []
-    mark = fingerprint(block) if proven is not None else None
-    for source, anatomy in candidates(block, sample, config, winner):
-        if isinstance(anatomy, Exception):
-            reasons.append(f"{source}: {anatomy}")
-            continue
-        if proven is not None and (source, mark) in proven and getattr(anatomy, "family_level", False):
-            return source, anatomy  # the family's code, verified on a block identical to this one
-        try:
-            verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups)
-        except ConfigurationError:
-            raise
-        except Exception as err:  # noqa: BLE001  (the next source may serve this block)
-            if source == "adapter=":
-                raise type(err)(f"{err}; pass adapter= with one that matches this block family") from err
-            reasons.append(f"{source}: {err}")
-            continue
-        if proven is not None:
-            proven.add((source, mark))
-        return source, anatomy
-    raise AnatomyError(explain(block, config, reasons))
+        x, args, kwargs = sample
+        mark = fingerprint(block) if proven is not None else None
+        seen = proven is not None and any(m == mark for _, m in proven)  # a block like it was verified
+        if (config.split or config.sp > 1) and config.adapter is None and not seen and not attends(block, sample):
+            raise AnatomyError(
+                f"no anatomy of {type(block).__name__} serves {features(config)}: the block computes no attention (no"
+                " attention call and no softmax over scores in a call on the first batch); its tokens mix through a"
+                " recurrent mixer (a linear attention, a state-space model) or not at all. HelixPipe cuts a block at"
+                " its attention call and sequence parallelism splits attention; train it under pipeline,"
+                " tensor_parallel or hybrid"
+            )
+        reasons: list[str] = []
+        for source, anatomy in candidates(block, sample, config, winner):
+            if isinstance(anatomy, Exception):
+                reasons.append(f"{source}: {anatomy}")
+                continue
+            if proven is not None and (source, mark) in proven and getattr(anatomy, "family_level", False):
+                return source, anatomy  # the family's code, verified on a block identical to this one
+            try:
+                verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups)
+            except ConfigurationError:
+                raise
+            except Exception as err:  # noqa: BLE001  (the next source may serve this block)
+                if source == "adapter=":
+                    raise type(err)(f"{err}; pass adapter= with one that matches this block family") from err
+                reasons.append(f"{source}: {err}")
+                continue
+            if proven is not None:
+                proven.add((source, mark))
+            return source, anatomy
+        raise AnatomyError(explain(block, config, reasons))
 
 
 def fingerprint(block: nn.Module) -> tuple:

@@ -107,6 +107,7 @@ def test_the_same_model_trains_where_the_trunk_stays_whole() -> None:
     assert run_cell("hf:t5_encoder", "hybrid").status == "parity"
 
 
+@pytest.mark.slow  # time: the coverage matrix's Falcon-H1 cells check the same refusal
 def test_a_recurrent_mixer_beside_attention_is_refused_by_sequence_parallelism() -> None:
     """Falcon-H1 runs a Mamba-2 mixer beside attention in every layer; split over sp ranks its convolution saw
     only a rank's tokens, one rank's candidate raised while the other waited in Ulysses' all-to-all (a hang).
