@@ -1,9 +1,11 @@
 """Data parallelism's gradient average overlapped with the backward (``bucket_cap_mb``) against one average after
-it (``bucket_cap_mb=0``), side by side in one run: dp=2 on gloo, the example Llama, real Trainers. Prints per
-mode the mean step time and the mean time the optimizer step spent in the dp average (what the backward did not
-hide), over the steps after the first two (buckets are made at the first step's average).
+it (``bucket_cap_mb=0``), side by side in one run: dp=2 on gloo, the example Llama, real Trainers; alone
+(``dp2``, 2 processes) or under a 1F1B pipeline or tensor parallelism (``pp2xdp2``, ``tp2xdp2``: 4 processes).
+Prints per mode the mean step time and the mean time the optimizer step spent in the gradient sync (the buckets'
+wait and whatever is reduced after the backward: what the backward did not hide), over the steps after the first
+two (buckets are made at the first step's sync).
 
-    python benchmarks/overlap.py [--dim 512] [--layers 8] [--steps 8] [--caps 25,0]
+    python benchmarks/overlap.py [--layout dp2] [--dim 512] [--layers 8] [--steps 8] [--caps 25,0]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_parallel import HybridParallelStrategy  # noqa: E402
+from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 
@@ -34,7 +36,17 @@ class _Clock(L.Callback):
         self.steps.append(time.perf_counter() - self._t)
 
 
-def _rank(rank: int, world: int, cap: float, dim: int, layers: int, steps: int) -> tuple[list[float], list[float]]:
+LAYOUTS = {
+    "dp2": (2, lambda cap: HybridParallelStrategy(data_parallel_size=2, bucket_cap_mb=cap)),
+    "pp2xdp2": (4, lambda cap: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2,
+                                                        num_microbatches=4, bucket_cap_mb=cap)),
+    "tp2xdp2": (4, lambda cap: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, bucket_cap_mb=cap)),
+}  # fmt: skip
+
+
+def _rank(
+    rank: int, world: int, layout: str, cap: float, dim: int, layers: int, steps: int
+) -> tuple[list[float], list[float]]:
     from examples.data import CharDataModule
     from examples.models import Llama
 
@@ -42,16 +54,16 @@ def _rank(rank: int, world: int, cap: float, dim: int, layers: int, steps: int) 
     data = CharDataModule(block_size=128, batch_size=8, shuffle=False)
     model = Llama(vocab_size=data.vocab_size, block_size=128, n_layer=layers, n_head=8, n_kv_head=4, dim=dim,
                   mlp_hidden=4 * dim, optimizer="sgd", lr=0.01)  # fmt: skip
-    strategy = HybridParallelStrategy(data_parallel_size=world, bucket_cap_mb=cap)
+    strategy = LAYOUTS[layout][1](cap)
     syncs: list[float] = []
-    average = strategy._average_over_dp
+    sync = strategy.sync_gradients
 
-    def timed(optimizer, group):  # type: ignore[no-untyped-def]
+    def timed(optimizer):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
-        average(optimizer, group)
+        sync(optimizer)
         syncs.append(time.perf_counter() - t0)
 
-    strategy._average_over_dp = timed  # type: ignore[method-assign]
+    strategy.sync_gradients = timed  # type: ignore[method-assign]
     clock = _Clock()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -62,6 +74,7 @@ def _rank(rank: int, world: int, cap: float, dim: int, layers: int, steps: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
@@ -69,13 +82,15 @@ def main() -> None:
     args = parser.parse_args()
     rows = {}
     for cap in [float(c) for c in args.caps.split(",")]:
-        results = run_distributed(_rank, 2, cap, args.dim, args.layers, args.steps, timeout=900,
+        world = LAYOUTS[args.layout][0]
+        results = run_distributed(_rank, world, args.layout, cap, args.dim, args.layers, args.steps, timeout=900,
                                   init_process_group=False)  # fmt: skip
         step = max(sum(r[0][2:]) / len(r[0][2:]) for r in results)
         sync = max(sum(r[1][2:]) / len(r[1][2:]) for r in results)
         rows[cap] = (step, sync)
         print(
-            f"bucket_cap_mb={cap:g}: step {step * 1e3:.1f} ms, dp average at the optimizer step {sync * 1e3:.1f} ms",
+            f"{args.layout} bucket_cap_mb={cap:g}: step {step * 1e3:.1f} ms, gradient sync at the optimizer step"
+            f" {sync * 1e3:.1f} ms",
             flush=True,
         )
     if 0.0 in rows and len(rows) > 1:
@@ -83,8 +98,8 @@ def main() -> None:
         for cap, (step, sync) in rows.items():
             if cap:
                 print(
-                    f"bucket_cap_mb={cap:g} against 0: step {plain_step / step:.2f}x faster; "
-                    f"{100 * (1 - sync / plain_sync):.0f} % of the average's time hidden behind the backward"
+                    f"{args.layout} bucket_cap_mb={cap:g} against 0: step {plain_step / step:.2f}x faster; "
+                    f"{100 * (1 - sync / plain_sync):.0f} % of the sync's time hidden behind the backward"
                 )
 
 

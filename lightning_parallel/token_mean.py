@@ -96,10 +96,16 @@ class TokenWeights:
     accumulate`` with ``u = share_0 / count_0`` (a count in units of the first micro-batch's tokens per share: the
     share itself wherever the counts follow the samples, so a seed stays of order one and low-precision
     intermediates round as before); else the micro-batch's share of samples over ``accumulate``; 0 for a padding
-    micro-batch. After the step the gradients take ``replicas / (N x u)`` (:meth:`scale`)."""
+    micro-batch. After the step the gradients take ``replicas / (N x u)`` (:meth:`scale`).
 
-    def __init__(self, shares: list[float], accumulate: int, reduction: str) -> None:
+    With ``replicas`` (the dp group of the loss stage) the first micro-batch's kind of loss and ``u`` are agreed
+    over the replicas (one all-reduce: ``u = sum of share_0 / sum of count_0``), so the factor after the step is
+    the same on every replica and commutes with the dp mean, which the gradient buckets take during the schedule.
+    """
+
+    def __init__(self, shares: list[float], accumulate: int, reduction: str, replicas: Any = None) -> None:
         self.shares, self.accumulate, self.reduction = shares, accumulate, reduction
+        self.replicas = replicas
         self.counts: list[Tensor | None] = [None] * len(shares)
         self.tokens: bool | None = None if reduction == "mean" else False
         self.unit: Tensor | None = None
@@ -107,7 +113,9 @@ class TokenWeights:
     def learn(self, i: int, count: Tensor | None) -> None:
         if self.shares[i] == 0.0:
             return  # padding
-        if self.tokens is None:
+        if self.tokens is None and self.replicas is not None:
+            self._agree(i, count)
+        elif self.tokens is None:
             self.tokens = count is not None and bool(count > 0)
         if self.tokens and count is None:
             raise ValueError(
@@ -117,6 +125,22 @@ class TokenWeights:
         if self.tokens and self.unit is None:
             self.unit = self.shares[i] / count
         self.counts[i] = count
+
+    def _agree(self, i: int, count: Tensor | None) -> None:
+        """The kind of loss (a token mean on every replica) and the unit, over the replicas (class docstring)."""
+        from lightning_parallel import _collectives
+
+        device = _collectives.comm_device(self.replicas)
+        mine = [float(count is not None), self.shares[i], 0.0]
+        agreed = torch.tensor(mine, dtype=torch.float64, device=device)
+        if count is not None:
+            agreed[2] = count.to(device, torch.float64)
+        _collectives.all_reduce_sum_([agreed], self.replicas)
+        everyone, _, counts = agreed.tolist()
+        self.tokens = everyone == _collectives.group_size(self.replicas) and counts > 0
+        if self.tokens:
+            assert count is not None
+            self.unit = (agreed[1] / agreed[2]).to(count.device)
 
     def __getitem__(self, i: int) -> Any:
         if self.shares[i] == 0.0:

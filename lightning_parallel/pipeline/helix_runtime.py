@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel.pipeline.capture import substitute, wrap_output
@@ -56,6 +57,14 @@ class HelixRuntime(PipelineRuntime):
         self.quiet_step: Callable[[Callable[[], Any]], Any] = lambda step: step()  # set by the strategy
         self.handlers = {"FP": self._forward_param, "FA": self._forward_attention,
                          "BP": self._backward_param, "BA": self._backward_attention}  # fmt: skip
+
+    WEIGHT_KINDS = ("BP",)
+
+    @override
+    def gradient_units(self, actions: list[Action]) -> list[tuple[int, list[int]]]:
+        """``P_j`` runs the post-attention part of block j-1 and the pre-attention part of block j."""
+        order = [unit for _, unit in sorted(self.last_weight_actions(actions).items())]
+        return [(j, [b for b in (j - 1, j) if 0 <= b < self.num_layers]) for j in order]
 
     # ------------------------------------------------------------------------------ messages
     def _send(self, ctx: StepContext, tensors: list[Tensor], stage: int, consumer: str, index: int, mb: int) -> None:

@@ -187,6 +187,7 @@ class PipelineRuntime:
         self.output_like: Any = None  # the blocks' output structure (None: a plain tensor)
         self._like_known = False
         self.phase: str | None = None  # "capture" or "loss" while the user's step runs inside the schedule
+        self.gradients: Any = None  # this step's gradient buckets (strategies/_overlap.py), or None
         self.timeline: list[TimelineEvent] = []
         local = {j for c in self.local_chunks for j in chunk_blocks[c]}
         self._freed = next((j for j in range(len(trunk)) if j not in local), None)  # a block on meta, if any
@@ -230,14 +231,34 @@ class PipelineRuntime:
         for a in actions:
             if a.kind in ("B", "I", "BP", "BA"):
                 ctx.backwards_left[a.microbatch] += 1
+        last = self.last_weight_actions(actions) if self.gradients is not None else {}
         for i, a in enumerate(actions):
             start, ctx.clock = time.time(), RecvClock()
             self._ahead(ctx, actions, i)
+            if i in last:  # the unit's weights get their last gradient in this action: its buckets may go
+                self.gradients.open(last[i])
             self.handlers[a.kind](ctx, a)
+            if i in last:
+                self.gradients.close(last[i])
             self.timeline.append(ctx.clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
         ctx.outbox.check_empty()
         ctx.complete_all()
         return ctx.results
+
+    #: the actions that accumulate weight gradients into ``.grad`` (``I`` computes the input's only)
+    WEIGHT_KINDS: tuple[str, ...] = ("B", "W")
+
+    def last_weight_actions(self, actions: list[Action]) -> dict[int, int]:
+        """Index in ``actions`` of each gradient unit's last weight-gradient action -> the unit (``Action.chunk``:
+        a model chunk here, a param chunk ``P_j`` under helix)."""
+        last = {a.chunk: i for i, a in enumerate(actions) if a.kind in self.WEIGHT_KINDS}
+        return {i: unit for unit, i in last.items()}
+
+    def gradient_units(self, actions: list[Action]) -> list[tuple[int, list[int]]]:
+        """This stage's gradient units in the order their last weight-gradient actions come in ``actions``, each
+        with the trunk blocks whose parameters it may touch."""
+        order = [unit for _, unit in sorted(self.last_weight_actions(actions).items())]
+        return [(c, list(self.chunk_blocks[c])) for c in order]
 
     def source_of(self, a: Action, stage: int) -> int | None:
         """The stage that action ``a`` (run by ``stage``) receives its message from; ``None``: it receives none."""

@@ -52,46 +52,56 @@ class DataParallelShardingMixin:
     _vocabulary_parallel: bool
     _tp_layout: Any
     lightning_module: Any
+    optimizers: list[Optimizer]
     parallel_dims: Any
     coordinate: dict[str, int]
     dp_group: Any
     root_device: torch.device
 
-    def _average_over_dp(self, optimizer: Optimizer, group: Any) -> None:
+    def _average_over_dp(self, optimizer: Optimizer, group: Any, overlapped: bool) -> None:
         """The dp average of this optimizer's gradients: reduce-scattered chunks (``"optimizer"``), what FSDP
-        does not hold (``"full"``: FSDP2 averaged its shards during the backward), or every gradient."""
+        does not hold (``"full"``: FSDP2 averaged its shards during the backward), or every gradient the
+        backward's buckets did not average (``overlapped``: :meth:`_finish_buckets` did)."""
         if self._sharded:
             self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
         elif self._fully_sharded:
             _average_whole([p for g in optimizer.param_groups for p in g["params"] if not is_fully_sharded(p)], group)
         else:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            buckets = self._gradient_buckets(optimizer)
-            if buckets is not None:  # issued during the backward, bucket by bucket
-                buckets.finish(lambda: _average_whole(params, group))
-            else:
-                _average_whole(params, group)
+            done = self._buckets.bucket_of if overlapped and self._buckets is not None else {}
+            _average_whole([p for g in optimizer.param_groups for p in g["params"] if id(p) not in done], group)
 
     def _prepare_buckets(self, loss: torch.Tensor) -> None:
         """Before the step's backward: the buckets learn which parameters its graph reaches."""
         if self._buckets is not None and overlappable(self):
             self._buckets.prepare(loss)
 
+    def _finish_buckets(self, optimizer: Optimizer) -> bool:
+        """First in a step's gradient sync: wait for the buckets the backward issued and put their dp means in place
+        (tensor-, sequence- and pipeline-parallel sums of the same gradients commute with the mean and follow).
+        Returns whether the buckets' parameters are averaged."""
+        buckets = self._gradient_buckets(optimizer)
+        return buckets is not None and buckets.finish()
+
+    def _gradient_units(self, params: list[torch.nn.Parameter]) -> tuple[list[list[torch.nn.Parameter]], list[int]]:
+        """The parameters the buckets serve, in units whose gradients are final together, and the units' keys:
+        here one, the whole model."""
+        return [params], [0]
+
     def _gradient_buckets(self, optimizer: Optimizer) -> Optional[GradientBuckets]:
-        """This step's buckets (``_overlap``) when the layout is plain data parallelism and ``optimizer`` holds
-        every trainable parameter; ``None``: average at once. Made at the first step's average (the parameters
-        are final by then, deferred blocks included), so buckets serve from the second backward on."""
-        if not overlappable(self):
+        """This step's buckets (``_overlap``) when the layout allows them and ``optimizer`` is the only one;
+        ``None``: average after the backward. Made at the first step's average (the parameters are
+        final by then, deferred blocks and shards included), so buckets serve from the second backward on."""
+        if not overlappable(self) or self.parallel_dims.dp == 1:
             return None
+        if len(self.optimizers) != 1:
+            return None  # one of several optimizers: each steps when its closure says
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        trainable = {id(p) for p in self.lightning_module.parameters() if p.requires_grad}
-        if {id(p) for p in params if p.requires_grad} != trainable:
-            return None  # one of several optimizers
-        if self._buckets is not None and self._buckets.covers(params):
+        units, keys = self._gradient_units(params)
+        if self._buckets is not None and self._buckets.covers(units, keys):
             return self._buckets
         if self._buckets is not None:
             self._buckets.remove()
-        self._buckets = GradientBuckets(params, self.dp_group, self._bucket_cap_mb)
+        self._buckets = GradientBuckets(units, self.dp_group, self._bucket_cap_mb, keys)
         return None
 
     def _fully_shard_deferred(

@@ -39,23 +39,43 @@ DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 
 
 class GradientBuckets:
-    """The buckets of ``params`` over ``group``: :meth:`prepare` before a step's last backward, :meth:`finish`
-    at its optimizer step."""
+    """The buckets of ``units`` (lists of parameters) over ``group``. Plain data parallelism has one unit, opened
+    for the whole backward by :meth:`prepare`; a pipeline stage has one per model chunk, opened by the runtime for
+    the chunk's last backward action (:meth:`open`) and closed after it (:meth:`close`). :meth:`finish` at the
+    optimizer step."""
 
-    def __init__(self, params: list[nn.Parameter], group: Any, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+    def __init__(
+        self,
+        units: list[list[nn.Parameter]],
+        group: Any,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        keys: list[int] | None = None,
+    ) -> None:
         self.group, self.size = group, dist.get_world_size(group)
-        self.params = [p for p in params if p.requires_grad]
+        self.keys = keys if keys is not None else list(range(len(units)))  # what open/close name each unit by
+        self._index = {key: u for u, key in enumerate(self.keys)}
+        self.units = [[p for p in unit if p.requires_grad] for unit in units]
+        self.params = [p for unit in self.units for p in unit]
         self.buckets: list[list[nn.Parameter]] = []
-        cap, current, nbytes = bucket_cap_mb * 2**20, [], 0.0
-        for p in reversed(self.params):
-            if current and (nbytes + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+        self.unit_buckets: list[list[int]] = []  # per unit, its buckets in issue order
+        cap = bucket_cap_mb * 2**20
+        for unit in self.units:
+            mine: list[int] = []
+            current: list[nn.Parameter] = []
+            nbytes = 0.0
+            for p in reversed(unit):
+                if current and (nbytes + p.numel() * p.element_size() > cap or p.dtype != current[0].dtype):
+                    mine.append(len(self.buckets))
+                    self.buckets.append(current)
+                    current, nbytes = [], 0.0
+                current.append(p)
+                nbytes += p.numel() * p.element_size()
+            if current:
+                mine.append(len(self.buckets))
                 self.buckets.append(current)
-                current, nbytes = [], 0.0
-            current.append(p)
-            nbytes += p.numel() * p.element_size()
-        if current:
-            self.buckets.append(current)
+            self.unit_buckets.append(mine)
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.unit_of = {id(p): u for u, unit in enumerate(self.units) for p in unit}
         self.accumulating = False
         self.enabled = True  # off for good once a step was spoiled
         self.comm_seconds = 0.0  # wall time the steps' finish waited for the all-reduces (what was not hidden)
@@ -64,21 +84,31 @@ class GradientBuckets:
         self.zeroed: set[int] = set()  # ids of the parameters this rank lent zeros to a bucket, this step
         self._clear()
 
-    def covers(self, params: list[nn.Parameter]) -> bool:
-        """Whether these buckets are exactly the trainable ``params`` (parameters replaced since: rebuild)."""
-        return [id(p) for p in self.params] == [id(p) for p in params if p.requires_grad]
+    def covers(self, units: list[list[nn.Parameter]], keys: list[int] | None = None) -> bool:
+        """Whether these buckets are exactly ``units``' trainable parameters (parameters replaced since: rebuild)."""
+        mine = [[id(p) for p in unit] for unit in self.units]
+        return mine == [[id(p) for p in unit if p.requires_grad] for unit in units] and (
+            keys is None or keys == self.keys
+        )
 
     def remove(self) -> None:
+        """Take the hooks off (the parameters were replaced); all-reduces a step issued and nobody waited for are
+        waited for (their results are not used)."""
         for handle in self._handles:
             handle.remove()
+        for work, *_ in self.issued:
+            work.wait()
+        self.issued = []
 
     def _clear(self) -> None:
         self.prepared = False
         self.spoiled = False
         self.waiting = [len(bucket) for bucket in self.buckets]
         self.done: set[int] = set()  # ids of the parameters counted ready this step
-        self.next = 0  # the next bucket to issue
-        self.issued: list[tuple[Any, Tensor, list[Tensor]]] = []
+        self.next = [0] * len(self.units)  # per unit, the index of its next bucket to issue
+        self.open_units: set[int] | None = None  # None: every unit open (plain data parallelism)
+        self.closed: set[int] = set()
+        self.issued: list[tuple[Any, Tensor, list[Tensor], list[nn.Parameter]]] = []  # (work, flat, grads, params)
 
     def prepare(self, loss: Tensor) -> None:
         """Before the step's last backward: the parameters ``loss``'s graph does not reach are ready now."""
@@ -91,9 +121,37 @@ class GradientBuckets:
             if id(p) not in reached:
                 self._count(p)
 
+    def start(self) -> bool:
+        """Before a pipeline step's schedule: units wait for :meth:`open`. Returns whether buckets serve this step."""
+        self._clear()
+        if not self.enabled or self.accumulating:
+            return False
+        self.prepared, self.open_units = True, set()
+        return True
+
+    def open(self, key: int) -> None:
+        """Unit ``key``'s last backward action of the step starts: its gradients are final as they accumulate."""
+        if self.prepared and self.open_units is not None and key in self._index:
+            self.open_units.add(self._index[key])
+
+    def close(self, key: int) -> None:
+        """That action is over: issue the unit's remaining buckets in order (a parameter it did not reach: zeros)."""
+        if not self.prepared or self.open_units is None or key not in self._index:
+            return
+        unit = self._index[key]
+        self.open_units.discard(unit)
+        self.closed.add(unit)
+        while self.next[unit] < len(self.unit_buckets[unit]):
+            self._issue(self.unit_buckets[unit][self.next[unit]])
+
     def _ready(self, p: Tensor) -> None:
         if not self.prepared or self.accumulating:
             return
+        unit = self.unit_of[id(p)]
+        if self.open_units is not None and unit not in self.open_units:
+            if unit in self.closed:  # a gradient after its unit's last action: its bucket went without it
+                self.spoiled = True
+            return  # an earlier micro-batch's part: the gradient is not final yet
         if id(p) in self.done:  # its bucket already went (with zeros): this step is averaged again
             self.spoiled = True
             self.zeroed.discard(id(p))  # its gradient is real now (accumulated into the zeros)
@@ -103,35 +161,40 @@ class GradientBuckets:
     def _count(self, p: Tensor) -> None:
         self.done.add(id(p))
         self.waiting[self.bucket_of[id(p)]] -= 1
-        while self.next < len(self.buckets) and self.waiting[self.next] == 0:
-            self._issue(self.next)
+        unit = self.unit_of[id(p)]
+        order = self.unit_buckets[unit]
+        while self.next[unit] < len(order) and self.waiting[order[self.next[unit]]] == 0:
+            self._issue(order[self.next[unit]])
 
-    def _issue(self, b: int) -> None:
+    def _issue(self, b: int, during: bool = True) -> None:
         for p in self.buckets[b]:
             if p.grad is None:  # not reached on this replica: it adds zeros to the others' sum
                 p.grad = torch.zeros_like(p)
                 self.zeroed.add(id(p))
+            self.done.add(id(p))
         grads = [local(p.grad) for p in self.buckets[b]]
         flat = torch.cat([g.reshape(-1) for g in grads])  # a copy (flattening one tensor would give a view of it)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self.issued.append((work, flat, grads))
-        self.next = b + 1
-        if self.prepared:
-            self.issued_in_backward += 1
+        self.issued.append((work, flat, grads, self.buckets[b]))
+        self.next[self.unit_of[id(self.buckets[b][0])]] += 1
+        self.issued_in_backward += during
 
-    def finish(self, fallback: Any) -> None:
+    def finish(self) -> bool:
         """Wait for the step's buckets and put each gradient's mean in place; parameters no replica reached get
-        ``None`` back. Without a prepared backward, or after a spoiled one, ``fallback()`` averages instead."""
+        ``None`` back. Returns ``False`` when nothing was averaged (no prepared backward ran, or it was spoiled:
+        the gradients are as the backward left them, to be averaged after it)."""
         if not self.prepared:  # no prepared backward ran: no rank issued a bucket
             self._clear()
-            fallback()
-            return
-        while self.next < len(self.buckets):  # a reached parameter whose gradient never came: zeros, in order
-            self._issue(self.next)
+            return False
+        for unit, order in enumerate(self.unit_buckets):  # what never came: zeros, in order (unopened units last)
+            while self.next[unit] < len(order):
+                self._issue(order[self.next[unit]], during=False)
         t0 = time.perf_counter()
-        for work, _, _ in self.issued:
+        for work, *_ in self.issued:
             work.wait()
         waited = time.perf_counter() - t0
+        if self.open_units is not None and not self._kept():
+            self.spoiled = True
         self.comm_seconds += waited
         _collectives.comm_seconds += waited
         used = [id(p) not in self.zeroed for p in self.params]
@@ -140,14 +203,14 @@ class GradientBuckets:
             self._drop_zeroed()
             self.enabled = False
             rank_zero_warn(
-                "a parameter received its gradient after the forward graph said it would not (a reentrant"
-                " checkpoint, `use_reentrant=True`, hides its region's parameters): the gradients are averaged"
-                " after the backward from now on, as with bucket_cap_mb=0"
+                "a parameter received its gradient after its bucket was averaged (a reentrant checkpoint,"
+                " `use_reentrant=True`, hides its region's parameters from the forward graph; or a pipeline chunk's"
+                " parameter was used by a later action): the gradients are averaged after the backward from now on,"
+                " as with bucket_cap_mb=0"
             )
             self._clear()
-            fallback()
-            return
-        for _, flat, grads in self.issued:
+            return False
+        for _, flat, grads, _ in self.issued:
             flat.div_(self.size)
             for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
@@ -156,6 +219,16 @@ class GradientBuckets:
                 p.grad = None  # no replica reached it: as one device leaves it
         self.zeroed = set()
         self._clear()
+        return True
+
+    def _kept(self) -> bool:
+        """Whether every bucket's gradients are still the tensors it read. A pipeline's weight-gradient action
+        (``W``) accumulates without autograd's hooks, into a new tensor: one that ran after its unit closed shows
+        here, not in :meth:`_ready`."""
+        for _, _, grads, params in self.issued:
+            if any(p.grad is None or local(p.grad).data_ptr() != g.data_ptr() for p, g in zip(params, grads)):
+                return False
+        return True
 
     def _drop_zeroed(self) -> None:
         """The zeros this rank lent to buckets are not gradients: back to ``None``."""
@@ -183,17 +256,16 @@ def _reached_parameters(loss: Tensor) -> set[int]:
 
 
 def overlappable(strategy: Any) -> bool:
-    """Plain data parallelism under automatic optimization: no pipeline (its runtime runs the backward), no tensor
-    or sequence parallelism (their partial sums come first), no sharding (ZeRO reduce-scatters, FSDP2 overlaps its
-    own)."""
+    """Data parallelism with replicated gradients under automatic optimization: not sharded (ZeRO
+    reduce-scatters, FSDP2 overlaps its own). Tensor-, sequence- and pipeline-parallel sums of the same gradients
+    come after the dp mean (sums and the mean commute); a pipeline's buckets go in its chunks' last backward
+    actions, and only when a step is its window's only batch (``accumulate_grad_batches=1``: the schedule's
+    gradients are added to the earlier batches' after the backward, :mod:`lightning_parallel.pipeline.gradients`)."""
     dims = strategy.parallel_dims
     lm = strategy.lightning_module
     return (
         strategy._bucket_cap_mb > 0
         and dims.dp > 1
-        and dims.pp == 1
-        and dims.tp == 1
-        and dims.sp == 1
         and strategy._dp_sharding == "none"
         and lm is not None
         and lm.automatic_optimization

@@ -426,13 +426,17 @@ class HybridParallelStrategy(
             return super().optimizer_step(optimizer, closure_then_window, model, **kwargs)
 
     def sync_gradients(self, optimizer: Optimizer) -> None:
-        """Average this optimizer's gradients over the dp group (tensor-parallel shards: their local parts)."""
+        """This optimizer's gradients as one device's: the dp means the backward's buckets took, then the tensor-
+        and sequence-parallel sums, then the dp average of the rest (tensor-parallel shards: their local parts)."""
+        self._reduce_gradients(optimizer, self._finish_buckets(optimizer))
+
+    def _reduce_gradients(self, optimizer: Optimizer, overlapped: bool) -> None:
         self._materialize_gradients(optimizer)
         self._sum_sequence_gradients(optimizer)
         group, dp = self.dp_group, self.parallel_dims.dp
         if group is None or dp == 1:
             return
-        self._average_over_dp(optimizer, group)
+        self._average_over_dp(optimizer, group, overlapped)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -61,9 +61,11 @@ from lightning_parallel.strategies._logging import (
     restore_metrics,
     snapshot_metrics,
 )
+from lightning_parallel.strategies._overlap import GradientBuckets, overlappable
 from lightning_parallel.strategies._processes import SIGTERM_EXIT_CODE
 from lightning_parallel.strategies._stage_local import StageLocalMixin
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
+from lightning_parallel.tensor_parallel import local
 from lightning_parallel.token_mean import CrossEntropyCalls, TokenWeights, global_means, say_samples_once
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
@@ -128,6 +130,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         self._loss_reduction, self._check_batches = loss_reduction, check_batches
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
+        self._grad_scale: Optional[float] = None  # a token-mean step's factor, applied after its buckets' means
         self._replicated_names: set[str] = set()
         self._init_stage_local()
         self._steps_done = 0
@@ -302,7 +305,8 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             with self.precision_plugin.train_step_context(), no_fast_paths(), freed:
                 self._commit_then_fully_shard(runtime.capture_step, lambda: lm.training_step(micro[0], *rest, **kwargs))
         # each micro-batch's loss weight: its token count where the losses are token means (token_mean.py)
-        weights = TokenWeights(shares, lm.trainer.accumulate_grad_batches, self._loss_reduction)
+        replicas = self.dp_group if self.parallel_dims.dp > 1 else None  # one token unit for every replica
+        weights = TokenWeights(shares, lm.trainer.accumulate_grad_batches, self._loss_reduction, replicas)
         params = [p for p in lm.parameters() if p.device.type != "meta"]
         saved = gradients.stash(params)  # Lightning zeroes grads after training_step
         recorder = LogRecorder()
@@ -327,11 +331,49 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
 
         self._metrics.before_step()
         freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
-        with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
-            with self._explain_sharded_use(), self._heads.active():
-                results = runtime.run(self.schedule, [step_of(i, mb) for i, mb in enumerate(micro)], loss_of, weights)
+        runtime.gradients = self._armed_buckets(lm)  # the dp means go in the units' last backward actions
+        self._grad_scale = None
+        try:
+            with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
+                with self._explain_sharded_use(), self._heads.active():
+                    steps = [step_of(i, mb) for i, mb in enumerate(micro)]
+                    results = runtime.run(self.schedule, steps, loss_of, weights)
+        finally:
+            armed, runtime.gradients = runtime.gradients is not None, None
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
-        return self._finish_step(results, recorder, shares, weights)
+        return self._finish_step(results, recorder, shares, weights, armed)
+
+    def _armed_buckets(self, lm: Any) -> Optional[GradientBuckets]:
+        """The buckets this step's schedule issues (``strategies/_overlap.py``), or ``None``: none made yet (they
+        are at the first step's sync), sharded data parallelism, or gradient accumulation (the schedule's
+        gradients join the earlier batches' only in ``backward``)."""
+        buckets = self._buckets
+        if buckets is None or not overlappable(self) or lm.trainer.accumulate_grad_batches != 1:
+            return None
+        return buckets if buckets.start() else None
+
+    @override
+    def _prepare_buckets(self, loss: Tensor) -> None:
+        """The schedule ran the backward already (its runtime opens and closes the buckets' units)."""
+
+    @override
+    def _gradient_units(self, params: list[nn.Parameter]) -> tuple[list[list[nn.Parameter]], list[int]]:
+        """One unit per gradient unit of this stage's schedule (a model chunk; a param chunk under helix), in the
+        order their last weight-gradient actions come; a block parameter belongs to the last unit that may touch
+        it. The pre/post-trunk parameters are in none (summed over the stages first, then averaged)."""
+        assert self.runtime is not None
+        units = self.runtime.gradient_units(self.schedule[self.stage])
+        outer = {id(p) for p in self._replicated}
+        mine = {id(p) for p in params if p.requires_grad and not p.is_meta and id(p) not in outer}
+        owner: dict[int, int] = {}
+        for k, (_, blocks) in enumerate(units):
+            for b in blocks:
+                owner.update({id(p): k for p in self.runtime.trunk.blocks[b].parameters() if id(p) in mine})
+        grouped: list[list[nn.Parameter]] = [[] for _ in units]
+        for p in params:
+            if id(p) in owner:
+                grouped[owner[id(p)]].append(p)
+        return grouped, [key for key, _ in units]
 
     def _run_step(self, lm: Any, padding: bool, mb: Any, rest: tuple, kwargs: dict) -> Any:
         if not padding:
@@ -342,10 +384,13 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         finally:
             restore_metrics(self._metrics.metrics, saved)
 
-    def _finish_step(self, results: dict, recorder: LogRecorder, shares: list[float], weights: TokenWeights) -> Tensor:
+    def _finish_step(
+        self, results: dict, recorder: LogRecorder, shares: list[float], weights: TokenWeights, armed: bool
+    ) -> Tensor:
         """Weight the micro-batch losses on the loss stage; share loss and logs with every rank. Token means: the
         step's loss over every replica's tokens, and the gradients scaled by ``replicas / tokens``
-        (:mod:`lightning_parallel.token_mean`)."""
+        (:mod:`lightning_parallel.token_mean`; after the buckets' dp means when they went during the schedule,
+        ``armed``: the factor is the same on every replica)."""
         total, logged, scale, extras = None, None, None, None
         if self.is_loss_stage:
             extras = step_extras([results[i][1] for i in range(len(shares))], shares)
@@ -364,7 +409,9 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         src = self.stage_rank(self.loss_stage)
         total, scale, extras = replay_logs(self.lightning_module, logged, self._metrics, (total, scale, extras), src,
                                            self.pp_group, self.root_device)  # fmt: skip
-        if scale is not None and scale != 1.0:  # seeds in token counts: over all tokens, x the replicas dp divides by
+        if scale is not None and scale != 1.0 and armed:
+            self._grad_scale = scale
+        elif scale is not None and scale != 1.0:  # seeds in token counts: over all tokens, x the replicas dp divides by
             for grad in self._grad_buffer.values():
                 grad.mul_(scale)
         if extras is None:
@@ -395,11 +442,18 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
 
     @override
     def sync_gradients(self, optimizer: Optimizer) -> None:
-        """Sum replicated (pre/post-trunk) gradients over the pipeline group, then average over dp."""
+        """The dp means the schedule's buckets took (and the step's token-mean factor), then the replicated
+        (pre/post-trunk) gradients summed over the pipeline group, then the rest as the base strategy's."""
+        overlapped = self._finish_buckets(optimizer)
+        scale, self._grad_scale = self._grad_scale, None
+        if scale is not None:  # the step's gradients, as the module holds them (pre/post-trunk shards gathered)
+            for p in self.lightning_module.parameters():
+                if p.grad is not None:
+                    local(p.grad).mul_(scale)
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._place_gradients(optimizer)  # a vocabulary-parallel gradient may still be a partial sum here
         self._sum_outer_gradients([p for p in self._replicated if id(p) in in_opt])
-        super().sync_gradients(optimizer)
+        self._reduce_gradients(optimizer, overlapped)
 
     @override
     def _counts_in_norm(self, p: nn.Parameter) -> bool:

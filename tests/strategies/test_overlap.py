@@ -2,10 +2,11 @@
 process whatever the bucket size (one bucket per parameter, or everything in one), with accumulation and with a
 parameter the backward never reaches; and the buckets really go during the backward."""
 
+import lightning as L
 import pytest
 import torch
 
-from lightning_parallel import HybridParallelStrategy
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import assert_parity, build
 from tests.helpers.trainers import quick_fit
@@ -91,3 +92,64 @@ def test_a_reentrant_checkpoint_spoils_the_buckets_and_the_step_is_averaged_agai
     assert enabled is False  # turned off at the second step, said once
     for a, b, c in zip(params, params1, want):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# ------------------------------------------------------------------ composed layouts: the dp mean goes first
+class _BucketsWent(L.Callback):
+    """At the end of a fit of ``steps`` steps: every bucket of the steps after the first (buckets are made at the
+    first step's sync) went during a backward, none at the optimizer step, and the buckets hold every trainable
+    parameter of the trunk's blocks this rank holds (under a pipeline: in the unit of its last backward action)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        buckets = strategy._buckets
+        assert buckets is not None and buckets.enabled, "no gradient buckets served this fit"
+        assert buckets.issued_in_backward == (self.steps - 1) * len(buckets.buckets), (
+            buckets.issued_in_backward,
+            len(buckets.buckets),
+        )
+        held = {id(p) for b in strategy._blocks.trunk.blocks for p in b.parameters() if p.requires_grad}
+        trainable = {id(p) for p in pl_module.parameters() if p.requires_grad and not p.is_meta}
+        missing = (held & trainable) - {id(p) for p in buckets.params}
+        assert not missing, f"{len(missing)} block parameters were averaged after the backward"
+
+
+COMPOSED = {
+    "pp2-1f1b": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2,
+                                                  num_microbatches=4, bucket_cap_mb=1e-3), "llama"),
+    "pp2-interleaved": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2,
+                                                         schedule="interleaved_1f1b", num_microbatches=4,
+                                                         bucket_cap_mb=1e-3), "llama"),
+    "pp2-zbv": (lambda: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, schedule="zbv",
+                                                 num_microbatches=4, bucket_cap_mb=1e-3), "llama"),
+    "helix2": (lambda: HelixParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, bucket_cap_mb=1e-3),
+               "llama"),
+    "tp2": (lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, bucket_cap_mb=1e-3),
+            "llama"),
+    "ulysses2": (lambda: HybridParallelStrategy(data_parallel_size=2, sequence_parallel_size=2, bucket_cap_mb=1e-3),
+                 "gpt"),
+}  # fmt: skip
+FAST_COMPOSED = {"pp2-1f1b", "tp2"}
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=() if k in FAST_COMPOSED else pytest.mark.slow) for k in COMPOSED]
+)
+def test_buckets_go_during_the_backward_of_every_layout_with_one_process_training(layout):
+    """The dp mean of a layout's gradients taken bucket by bucket during the backward (a pipeline's in each unit's
+    last backward action), before the tensor-, sequence- and pipeline-parallel sums: float64 AdamW parity, under
+    NCCL's rules (the harness's communication check) with no host tensor in a collective."""
+    make, model = COMPOSED[layout]
+    assert_parity(model, make, 4, data_parallel_size=2, optimizer="adamw", steps=3, host_check=True,
+                  callbacks=lambda: [_BucketsWent(3)])  # fmt: skip
+
+
+def test_a_pipeline_with_accumulation_averages_after_the_window():
+    """Under a pipeline the schedule's gradients join the earlier batches' after it: buckets serve only
+    windows of one batch; with accumulate_grad_batches=2 the average runs after the backward (and is exact)."""
+    make = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2,  # noqa: E731
+                                            num_microbatches=2, bucket_cap_mb=1e-3)  # fmt: skip
+    assert_parity("gpt", make, 4, data_parallel_size=2, steps=2, accumulate_grad_batches=2)
