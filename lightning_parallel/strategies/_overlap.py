@@ -19,6 +19,12 @@ parameters from the forward graph) spoils the step: its bucket went with zeros. 
 agreement, and the step's gradients are then averaged again in one all-reduce after the backward, as with
 ``bucket_cap_mb=0``, from then on (said once). Hooks issue nothing during gradient accumulation
 (:attr:`GradientBuckets.accumulating`), as DDP's ``no_sync``.
+
+Under tensor and sequence parallelism and pipelines the same buckets take the dp mean first; the layouts' sums
+follow at the optimizer step (they commute with the mean). A pipeline stage's parameters are cut into units (a
+model chunk; a param chunk under helix): the runtime opens a unit for its last weight-gradient action of the
+step (:meth:`GradientBuckets.open`) and closes it after (:meth:`GradientBuckets.close`: what its hooks did not
+issue goes then, in order). docs/design.md, "Buckets during the backward".
 """
 
 from __future__ import annotations
