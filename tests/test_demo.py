@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # (time: 23 s) the README's demo command, tested fast below, trains the same way
 def test_demo_config_trains_on_two_processes_and_the_loss_falls(tmp_path):
     cmd = [
         sys.executable, "-m", "examples.train", "fit", "--config", str(ROOT / "examples/configs/demo.yaml"),

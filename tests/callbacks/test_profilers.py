@@ -318,7 +318,7 @@ def _ratio_both_ways(rank, world_size, name, root):
     return max(peaks) / min(peaks), got["memory/stage_ratio"]
 
 
-@pytest.mark.parametrize("name", ["1f1b", "helix"])
+@pytest.mark.parametrize("name", ["1f1b", pytest.param("helix", marks=pytest.mark.slow)])  # (time)
 def test_memory_profiler_ratio_equals_the_benchmark_tables(name):
     with tempfile.TemporaryDirectory() as root:
         bench_ratio, profiler_ratio = run_distributed(_ratio_both_ways, 2, name, root, timeout=150)[0]

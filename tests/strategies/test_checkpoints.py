@@ -162,15 +162,17 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
         pytest.param("pp2", "gpt", marks=pytest.mark.slow),  # pp2 gpt+sched resumes the pipeline fast
         pytest.param("helix2", "gpt", marks=pytest.mark.slow),  # helix2 resumes fast with the deferred GPT
         ("dp2", "gpt"),
-        ("dp2zero", "gpt"),
-        pytest.param("dp2tp2zero", "gpt", marks=pytest.mark.slow),  # dp2zero and tp2 resume fast
+        pytest.param("dp2zero", "gpt", marks=pytest.mark.slow),  # (time) dp2zero -> tp2 and -> pp2dp2full: fast
+        pytest.param("dp2tp2zero", "gpt", marks=pytest.mark.slow),  # dp2zero -> tp2 restores ZeRO state fast
         # slow tier (time): full sharding resumes fast in the layout-change test below (dp2zero -> pp2dp2full,
         # tp2 -> dp2tp2full)
         pytest.param("dp2full", "gpt", marks=pytest.mark.slow),
         pytest.param("pp2dp2full", "gpt", marks=pytest.mark.slow),
         ("pp2", "gpt+sched"),
-        ("tp2", "gpt-deferred"),  # blocks still on meta read their keys (and optimizer state) at their first call
-        ("helix2", "gpt-deferred"),
+        # blocks still on meta read their keys (and optimizer state) at their first call; slow tier (time: 10 s
+        # each): deferred blocks resume fast under pp2 -> helix2 in the layout-change test
+        pytest.param("tp2", "gpt-deferred", marks=pytest.mark.slow),
+        pytest.param("helix2", "gpt-deferred", marks=pytest.mark.slow),
         pytest.param("helix2tp2", "gpt", marks=pytest.mark.slow),  # tp2 -> helix2tp2 places the fused q|k|v fast
         # FSDP2's shards of tensor-parallel shards (the fused q|k|v gathered on save); tp2 -> dp2tp2full restores
         # state into them fast
@@ -212,18 +214,20 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         ("pp2", "one"),
         ("pp2", "helix2"),
         ("dp2", "pp2"),
-        ("helix2", "pp2"),
+        pytest.param("helix2", "pp2", marks=pytest.mark.slow),  # (time) pp2 -> helix2 restores helix fast
         pytest.param("pp2", "dp2", marks=pytest.mark.slow),  # dp2 -> pp2 reads dp2's; pp2 is written fast elsewhere
         ("dp2zero", "tp2"),
         pytest.param("pp2", "dp2zero", marks=pytest.mark.slow),  # dp2zero is read from dp2zero -> tp2 fast
         ("dp2full", "pp2"),
-        ("pp2", "dp2full"),
+        pytest.param("pp2", "dp2full", marks=pytest.mark.slow),  # (time) dp2full -> pp2, dp2zero -> pp2dp2full fast
         ("dp2zero", "pp2dp2full"),
         ("tp2", "pp2"),  # the embedding and head: vocabulary shards -> shards over the stages
-        ("tp2", "helix2tp2"),  # whole blocks restored, then sharded and placed at helix's first step
+        # whole blocks restored, then sharded and placed at helix's first step (slow tier, time: 8 s)
+        pytest.param("tp2", "helix2tp2", marks=pytest.mark.slow),
         pytest.param("helix2tp2", "one", marks=pytest.mark.slow),  # helix2tp2's checkpoint is written fast above
         pytest.param("dp2tp2full", "pp2", marks=pytest.mark.slow),  # dp2tp2full's is written by its exact resume
-        ("tp2", "dp2tp2full"),  # restored whole before the first step commits and shards the blocks
+        # restored whole before the first step commits and shards the blocks (slow tier, time: 8 s)
+        pytest.param("tp2", "dp2tp2full", marks=pytest.mark.slow),
         pytest.param("dp2tp2full", "helix2tp2", marks=pytest.mark.slow),
         pytest.param("pp2dp2full", "tp2", marks=pytest.mark.slow),  # dp2zero -> pp2dp2full, dp2zero -> tp2 fast
         (
@@ -265,6 +269,7 @@ torch.save({k: v.detach() for k, v in module.state_dict().items()}, sys.argv[2])
 """
 
 
+@pytest.mark.slow  # (time: 15 s) the command line's bad input is tested fast below
 def test_export_writes_a_plain_checkpoint_that_loads_and_resumes_without_us(tmp_path):
     ckpt, plain = str(tmp_path / "pp2.ckpt"), str(tmp_path / "plain.ckpt")
     _, _, _, _ = _run("pp2", 2, ckpt_out=ckpt)
@@ -366,7 +371,7 @@ def test_partial_and_corrupt_directories_are_refused(tmp_path):
         _run("pp2", 2, ckpt_in=str(ckpt))
 
 
-@pytest.mark.parametrize("model", ["llama", "encoder"])
+@pytest.mark.parametrize("model", [pytest.param("llama", marks=pytest.mark.slow), "encoder"])  # (time)
 def test_other_example_models_resume_under_another_layout(model, tmp_path):
     ckpt = str(tmp_path / f"{model}.ckpt")
     _run("pp2", 2, ckpt_out=ckpt, model=model)

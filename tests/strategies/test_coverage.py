@@ -3,9 +3,9 @@ under every strategy; each cell reproduces single-process training (float32 with
 first loss within 2e-6 relative, tests/helpers/coverage.py FIRST_LOSS_RTOL: the loss
 of every step and every parameter) or ends in one of the library's clear errors, never a silent wrong
 result, an internal traceback or a hang. The packed rows train the same strategies on rows of several
-documents (tests/helpers/packed.py), so a lost document mask cannot come back unseen. One Hugging Face family,
-one home-written block and the packed example Llama run every 2-rank column in the fast tier, the home-written
-block helix x tp too; the whole matrix is slow.
+documents (tests/helpers/packed.py), so a lost document mask cannot come back unseen. One Hugging Face family
+(all but helix, which Qwen3-MoE's cell runs) and one home-written block run every 2-rank column in the fast tier,
+the home-written block helix x tp too; the whole matrix, the packed rows included, is slow.
 
 ``bash scripts/test.sh -m "" tests/strategies/test_coverage.py --coverage-table docs/coverage.md`` writes the
 table the README links."""
@@ -31,8 +31,9 @@ EXPECTED = {
     ("hf:falcon_h1", "ulysses"): r"mixes tokens along the sequence outside its attention call \(conv1d",
     ("hf:falcon_h1", "ring"): r"mixes tokens along the sequence outside its attention call \(conv1d",
 }
-FAST = {"hf:qwen3", "home:fused", "packed:llama"}
+FAST = {"hf:qwen3", "home:fused"}  # packed rows: tests/strategies/test_packed.py is fast
 FAST_CELLS = {("hf:qwen3_moe", "helix")}  # a mixture of experts chunked by tokens under helix
+SLOW_CELLS = {("hf:qwen3", "helix")}  # (time) helix over Hugging Face metadata: Qwen3-MoE's cell is fast
 FOUR_RANKS_FAST = {("home:fused", "helix_tp")}  # of the 4-rank columns: helix x tp through the traced graph
 
 
@@ -41,6 +42,8 @@ def test_at_least_nine_in_ten_cells_are_parity():
 
 
 def _fast(row: str, column: str) -> bool:
+    if (row, column) in SLOW_CELLS:
+        return False
     return (row, column) in FOUR_RANKS_FAST if COLUMNS[column][2] > 2 else row in FAST or (row, column) in FAST_CELLS
 
 

@@ -21,8 +21,15 @@ def _without_adapters(make):
 
 
 @pytest.mark.parametrize(
-    "column", [pytest.param(c, marks=pytest.mark.slow) if c in ("helix_tp", "full_tp") else c for c in COLUMNS]
-)  # the 4-rank columns: the coverage matrix's home-written fused block runs them through the traced graph fast
+    "column",
+    [
+        pytest.param(c, marks=pytest.mark.slow)
+        if c in ("helix_tp", "full_tp", "ulysses", "ring", "hybrid", "helix")
+        else c
+        for c in COLUMNS
+    ],
+)  # the 4-rank columns, sequence parallelism and the hybrid: the coverage matrix's home-written fused block runs them
+# through the traced graph fast (time: 6-7 s each)
 @pytest.mark.parametrize(
     "model", ["gpt", pytest.param("llama", marks=pytest.mark.slow), pytest.param("encoder", marks=pytest.mark.slow)]
 )
@@ -43,7 +50,9 @@ def _fit_with_validation(rank, world_size, column):
     return float(trainer.callback_metrics["val_loss"])
 
 
-@pytest.mark.parametrize("column", ["tensor_parallel", pytest.param("ulysses", marks=pytest.mark.slow), "helix"])
+@pytest.mark.parametrize(  # slow tier (time: 13 s): helix's traced blocks, tensor-parallel ones, run again fast
+    "column", [pytest.param(c, marks=pytest.mark.slow) for c in ("tensor_parallel", "ulysses")] + ["helix"]
+)
 def test_traced_blocks_run_again_in_eval_mode_for_validation(column):
     from tests.helpers.parity import _OneReplicaSampler
     from tests.helpers.trainers import quick_fit

@@ -173,7 +173,9 @@ def test_tp2_replicated_activations_stay_bitwise_identical_with_dropout(tp2_fit)
     _in_step_and_replicated(tp2_fit)
 
 
-@pytest.mark.parametrize("sources", [None, ("traced",)], ids=["adapter", "traced"])
+@pytest.mark.parametrize(  # traced: slow tier (time); the traced plan's f/g enter rng.enter_sharded as the adapter's
+    "sources", [pytest.param(None, id="adapter"), pytest.param(("traced",), id="traced", marks=pytest.mark.slow)]
+)
 def test_tp2_masks_per_rank_for_each_anatomy(sources):
     """The same rule whether the block runs a hand-written adapter (module hooks on the projections) or its
     traced graph (Megatron's f and g in the graph)."""

@@ -32,7 +32,9 @@ def test_dp2_x_tp2_matrix(model):
     assert_parity(model, full(tensor_parallel_size=2), 4, data_parallel_size=2)
 
 
-@pytest.mark.parametrize("mode", ["ulysses", pytest.param("ring", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(  # slow tier (time): dp2 x tp2 full and the quarter-per-rank test are fast
+    "mode", [pytest.param("ulysses", marks=pytest.mark.slow), pytest.param("ring", marks=pytest.mark.slow)]
+)
 def test_dp2_x_sp2(mode):
     assert_parity("llama", full(sequence_parallel_size=2, sequence_parallel_mode=mode), 4, data_parallel_size=2)
 

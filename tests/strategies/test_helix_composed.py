@@ -186,10 +186,20 @@ def _fit_qwen3(rank, world, tp_plan, base_plan_override):  # type: ignore[no-unt
 @pytest.mark.parametrize(
     "tp_plan,base_override,named",
     [
-        ({**DERIVED, "self_attn.q_proj": "rowwise"}, None, "self_attn.q_proj: rowwise in tp_plan=, colwise in the"),
-        (None, {"layers.*.mlp.down_proj": "colwise"}, "mlp.down_proj: colwise in the config's base_model_tp_plan"),
-    ],
-    ids=["tp_plan", "base_model_tp_plan"],
+        pytest.param(
+            {**DERIVED, "self_attn.q_proj": "rowwise"},
+            None,
+            "self_attn.q_proj: rowwise in tp_plan=, colwise in the",
+            marks=pytest.mark.slow,
+            id="tp_plan",
+        ),
+        pytest.param(
+            None,
+            {"layers.*.mlp.down_proj": "colwise"},
+            "mlp.down_proj: colwise in the config's base_model_tp_plan",
+            id="base_model_tp_plan",
+        ),
+    ],  # tp_plan=: slow tier (time; the comparison is the same code)
 )
 def test_a_plan_the_helix_split_would_not_apply_is_refused(tp_plan, base_override, named):
     from tests.helpers.distributed import RankFailed, run_distributed

@@ -66,9 +66,9 @@ BOUND_S = 5.0
 @pytest.mark.parametrize(
     "where, phase",
     [
-        # slow tier (time): the same timer, armed by the first batch instead of by verification
+        # slow tier (time: 18 s each, two processes started as a user starts them)
         pytest.param("step", "the first training step", marks=pytest.mark.slow),
-        ("verification", "the verification of Block for tensor parallelism"),
+        pytest.param("verification", "the verification of Block for tensor parallelism", marks=pytest.mark.slow),
     ],
 )
 def test_a_rank_that_waits_forever_ends_the_job_within_the_bound(tmp_path: Path, where: str, phase: str) -> None:

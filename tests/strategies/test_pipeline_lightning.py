@@ -252,7 +252,7 @@ KILLED_SCRIPT = textwrap.dedent(
         pytest.param("pipeline", "step", marks=pytest.mark.slow),
         # slow tier (time): HybridParallelStrategy's failure path is the pipeline's; its SIGTERM test stays fast
         pytest.param("tensor_parallel", "step", marks=pytest.mark.slow),
-        ("pipeline", "save"),
+        pytest.param("pipeline", "save", marks=pytest.mark.slow),  # (time: 13 s) killed in a step: fast there
     ],
 )
 def test_a_killed_rank_is_named_by_its_peers(strategy, when, tmp_path):
@@ -271,6 +271,7 @@ def test_a_killed_rank_is_named_by_its_peers(strategy, when, tmp_path):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow  # (time: 13 s) test_killed_ranks names the killed rank alone fast; this, a rank that raised
 def test_a_rank_that_raised_is_not_called_dead(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(FAILING_SCRIPT)
@@ -313,7 +314,8 @@ SIGTERM_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize(
     "strategy",
     [
-        "pipeline",
+        # (time) the pipeline's failure path is test_exception_on_one_stage's; SIGTERM's is tensor_parallel's below
+        pytest.param("pipeline", marks=pytest.mark.slow),
         pytest.param("helix", marks=pytest.mark.slow),  # helix's path is the pipeline's (its on_exception)
         "tensor_parallel",
         pytest.param("hybrid", marks=pytest.mark.slow),  # hybrid's is tensor_parallel's (HybridParallelStrategy's)

@@ -89,8 +89,11 @@ def _fit(rank, world_size, layout, family, directory):
     return module.loaded, module.unused, list(reads), module.pending
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(  # GPT-2 beyond one process and pp2: slow tier (time); Llama loads into every layout fast
+    "layout,family",
+    [pytest.param(k, f, marks=pytest.mark.slow) if f == "gpt2" and k not in ("one", "pp2") else (k, f)
+     for f in ("llama", "gpt2") for k in LAYOUTS],
+)  # fmt: skip
 def test_a_save_pretrained_directory_loads_into_every_layout(layout, family, tmp_path):
     want = _saved(family, str(tmp_path))
     world = LAYOUTS[layout][1]

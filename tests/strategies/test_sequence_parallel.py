@@ -17,12 +17,14 @@ def _sp(**kwargs):
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
-@pytest.mark.parametrize("model", ["gpt", "llama", "encoder"])
+@pytest.mark.parametrize(  # the encoder under sp: slow tier (time); sp2 x tp2 runs it fast
+    "model", ["gpt", "llama", pytest.param("encoder", marks=pytest.mark.slow)]
+)
 def test_sp2_matches_one_device(model, mode):
     assert_parity(model, _sp(sequence_parallel_mode=mode), 2, data_parallel_size=1, gradient_clip_val=0.05)
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+@pytest.mark.parametrize("mode", ["ulysses", pytest.param("ring", marks=pytest.mark.slow)])  # ring x tp is fast
 def test_pp2_x_sp2_on_four_ranks(mode):
     def make():
         return PipelineParallelStrategy(
@@ -37,7 +39,7 @@ def test_dp2_x_sp2_on_four_ranks():
     assert_parity("gpt", make, 4, data_parallel_size=2)
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+@pytest.mark.parametrize("mode", ["ulysses", pytest.param("ring", marks=pytest.mark.slow)])  # (time) ring: slow tier
 @pytest.mark.parametrize("policy", ["full", "selective", "no_attention"])
 def test_recomputation_of_sequence_parallel_blocks(policy, mode):
     assert_parity("llama", _sp(recompute=policy, sequence_parallel_mode=mode), 2, data_parallel_size=1)
@@ -308,7 +310,7 @@ def test_an_explicit_padding_mask_is_honoured(mode):
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
-@pytest.mark.parametrize("model", ["hf-llama", "hf-gpt2"])
+@pytest.mark.parametrize("model", ["hf-llama", pytest.param("hf-gpt2", marks=pytest.mark.slow)])  # (time)
 def test_hugging_face_models_train_under_sequence_parallelism(model, mode):
     pytest.importorskip("transformers")
     assert_parity(model, _sp(sequence_parallel_mode=mode), 2, data_parallel_size=1)

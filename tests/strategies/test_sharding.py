@@ -157,7 +157,7 @@ def test_dp2_fully_sharded_float32_sgd_parity():
     assert_parity("gpt", _full(), 2, data_parallel_size=2, dtype="float32")
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])  # (time)
 def test_dp2_x_pp2_fully_sharded_parity(model):
     """The tied embedding and head of the GPT are one unit, held by both stages; the Llama's are separate."""
     assert_parity(model, _full_pp(), 4, data_parallel_size=2, gradient_clip_val=0.05)

@@ -87,6 +87,7 @@ def test_a_block_argument_computed_from_a_parameter_keeps_everything_everywhere(
     assert_parity("llama-learned-rope", _pp(), 2, data_parallel_size=1)
 
 
+@pytest.mark.slow  # (time) test_helix's dp2 x pp2 with clipping and accumulation is fast
 def test_pp2_x_dp2_with_helix_and_accumulation():
     make = lambda: HelixParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2)  # noqa: E731
     assert_parity("llama", make, 4, data_parallel_size=2, accumulate_grad_batches=2, steps=2)
@@ -182,8 +183,14 @@ def _validate_then_fit(rank, world_size, layout, validate_first):
 
 
 @pytest.mark.parametrize(
-    "layout", ["pipeline", pytest.param("helix", marks=pytest.mark.slow), "helix-deferred", "tp-deferred"]
-)  # helix-deferred sets up helix twice too
+    "layout",
+    [
+        "pipeline",
+        pytest.param("helix", marks=pytest.mark.slow),
+        "helix-deferred",
+        pytest.param("tp-deferred", marks=pytest.mark.slow),
+    ],
+)  # helix-deferred sets up helix twice too (tp-deferred: slow tier, time)
 def test_validate_then_fit_with_one_strategy_trains_like_fit_alone(layout):
     """A second set-up must not broadcast the stored shards as if every stage held the same values; a
     deferred block first called by validation materialises there (helix: whole, until the first step splits

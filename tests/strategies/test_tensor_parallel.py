@@ -143,6 +143,7 @@ def test_pp2_x_tp2_on_four_ranks_with_clipping(model):
     assert_parity(model, make, 4, data_parallel_size=1, gradient_clip_val=0.05)
 
 
+@pytest.mark.slow  # (time) tp2 with sequence parallelism and pp2 x tp2 are fast, each on its own
 def test_pp2_x_tp2_with_sequence_parallelism():
     def make():
         return PipelineParallelStrategy(

@@ -106,6 +106,7 @@ def test_published_costs_give_helix_a_gain_that_grows_with_the_sequence():
     assert gains == sorted(gains) and gains[-1] > 0, gains
 
 
+@pytest.mark.slow  # (time: 19 s) the planner's functions are tested fast above; this runs its command line
 def test_command_line_writes_a_plan_that_trains(tmp_path):
     out, timeline, chart = tmp_path / "plan.yaml", tmp_path / "timeline.png", tmp_path / "chart.png"
     cmd = [sys.executable, "-m", "lightning_parallel.plan", "--config", "examples/configs/demo.yaml",
