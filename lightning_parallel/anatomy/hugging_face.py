@@ -42,6 +42,9 @@ STYLES = {  # base_model_tp_plan style -> this library's module style
 SEQUENCE_KWARGS = {"position_ids": -1, "cache_position": -1}  # and position_embeddings=(cos, sin): dim -2
 #: flash-attn's variable-length arguments (documents of a packed batch), as transformers passes them
 VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: a per-head parameter an attention call takes (learned sinks, GPT-OSS: ``s_aux=self.sinks``); a traced call keeps it
+#: as one of its tensors, so tensor parallelism shards it with the heads (traced/tensor.py)
+SINKS = ("s_aux",)
 
 
 @dataclass
@@ -189,7 +192,7 @@ def _(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, extras: li
 
 def _traced(route: _Route, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, original: str,
             kwargs: dict) -> Tensor:  # fmt: skip
-    parameters = sorted(n for n, value in kwargs.items() if isinstance(value, nn.Parameter))
+    parameters = sorted(n for n, value in kwargs.items() if isinstance(value, nn.Parameter) and n not in SINKS)
     if parameters:
         raise Unsupported(f"its attention call takes parameters of the block ({parameters})")
     assert route.trace is not None and route.block is not None
@@ -222,7 +225,11 @@ def _call(path: str, kwargs: dict) -> Any:
     def hf_attention_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, extras: list[Tensor],
                           block: nn.Module) -> Tensor:  # fmt: skip
         module = block.get_submodule(path)
-        return _original(module, original)(module, q, k, v, mask, **kwargs, **dict(zip(names, extras)))[0]
+        tensors = dict(zip(names, extras))
+        own: Any = module
+        if isinstance(tensors.get("s_aux"), Tensor) and isinstance(getattr(module, "sinks", None), Tensor):
+            own = _SinksOf(module, tensors["s_aux"])  # the call's sinks (a rank's heads'): what the function reads
+        return _original(module, original)(own, q, k, v, mask, **kwargs, **tensors)[0]
 
     hf_attention_call.hf_attention_call = True  # type: ignore[attr-defined]  (what the graph analysis cuts at)
     return hf_attention_call
@@ -339,6 +346,9 @@ class HuggingFaceAnatomy:
         from lightning_parallel import tensor_parallel as tp
         from lightning_parallel.mlp_chunks import chunk_mlp
 
+        if config.tp > 1 and not config.tp_plan and not self.tp_plan_styles(block):
+            # no plan names the block's modules (GPT-OSS): the plan derived from the graph, its attention the model's
+            return self.traced(block)[0].local_forward(block, config, tp_layout, prefix)
         if config.tp > 1:
             plan = tp.expand_plan(block, dict(config.tp_plan)) if config.tp_plan else self.tp_plan(block)
             tp.check_heads(block, self.heads(block), config.tp)
@@ -353,13 +363,16 @@ class HuggingFaceAnatomy:
             self._route(block, config)
         return _HFForward()
 
-    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "") -> Split:
-        """The block traced with its attention call as one op (the cut), split there (HelixPipe)."""
-        from lightning_parallel.anatomy.traced import TracedAnatomy
+    def routed_trace(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
+        """The block traced with its attention call as one op (``lightning_parallel::hf_attention``, resolved to a
+        call of the model's attention function with the block's module): HelixPipe's cut, and the attention the
+        traced tensor-parallel plan shards by heads."""
+        return self._routed(block, x, args, kwargs)[0]
+
+    def _routed(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> tuple[Any, dict]:
         from lightning_parallel.anatomy.traced.program import trace
 
         name = register(self.original)
-        x, args, kwargs = self.sample
         calls: dict[str, tuple[str, dict]] = {}
         saved = [(c, c._attn_implementation) for c in configs_of(block)]
         try:
@@ -374,11 +387,25 @@ class HuggingFaceAnatomy:
         if not calls:
             raise Unsupported("the block does not call transformers' attention registry")
         resolve_calls(program.gm, calls)
+        return program, calls
+
+    def traced(self, block: nn.Module) -> tuple[Any, dict]:
+        """The block's :class:`~lightning_parallel.anatomy.traced.TracedAnatomy` over :meth:`routed_trace`, and
+        the trace's record of its attention calls."""
+        from lightning_parallel.anatomy.traced import TracedAnatomy
+
+        x, args, kwargs = self.sample
+        program, calls = self._routed(block, x, args, kwargs)
+        return TracedAnatomy(program, type(block).__name__, tracer=self.routed_trace), calls
+
+    def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "") -> Split:
+        """The block traced with its attention call as one op (the cut), split there (HelixPipe)."""
+        traced, calls = self.traced(block)
         if config.mlp_module is None and isinstance(getattr(block, "mlp", None), nn.Module):
             config = replace(config, mlp_module="mlp")  # the family's MLP, as local_forward chunks it (a mixture too)
         # a plan given is applied or refused, never ignored: tp_plan= (the traced split compares it), else the model's
         wanted = ("the config's base_model_tp_plan", self.tp_plan_styles(block)) if not config.tp_plan else None
-        split = TracedAnatomy(program, type(block).__name__).helix_split(block, config, tp_layout, prefix, wanted)
+        split = traced.helix_split(block, config, tp_layout, prefix, wanted)
         return replace(split, name="hugging_face", heads_dim=2, attention_call=_call_of(*calls.values()))
 
 

@@ -2,7 +2,9 @@
 what trains and what is refused, by name, on every rank (docs/guide.md, "Limitations").
 
 - GPT-OSS: learned attention sinks (a logit per head in the softmax's denominator). Ulysses gives each rank its
-  head group's sinks (the attention function reads them per head) and trains; ring attention refuses them.
+  head group's sinks (the attention function reads them per head) and trains; tensor parallelism (its config has no
+  plan for the layers: the plan derived from the traced graph, the attention call one op) cuts the sinks with the
+  heads and trains, FSDP2 over it too; ring attention and HelixPipe refuse them.
 - DeepSeek-V3: multi-head latent attention; Ulysses trains it, tensor parallelism refuses it.
 - Qwen3-Next: gated DeltaNet layers (no attention) between full-attention layers. HelixPipe and sequence
   parallelism refuse a block that computes no attention, at once (tracing a DeltaNet layer took tens of seconds
@@ -19,6 +21,29 @@ from tests.helpers.coverage import run_cell
 def test_attention_sinks_train_under_ulysses():
     cell = run_cell("hf:gpt_oss", "ulysses")
     assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
+
+
+@pytest.mark.parametrize("column", ["tensor_parallel", pytest.param("full_tp", marks=pytest.mark.slow)])
+def test_attention_sinks_are_cut_with_their_heads_under_tensor_parallelism(column):
+    cell = run_cell("hf:gpt_oss", column)
+    assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
+
+
+@pytest.mark.slow  # (time)
+def test_without_its_heads_sinks_the_tensor_parallel_block_is_not_verified(monkeypatch):
+    """The cut is what makes it exact: sinks left whole (every tp rank given all heads' sinks) fail verification."""
+    from lightning_parallel.anatomy.traced import tensor
+
+    monkeypatch.setattr(tensor, "_head_parameters", lambda attentions: [])
+    cell = run_cell("hf:gpt_oss", "tensor_parallel")
+    assert cell.status == "error" and "no anatomy of GptOssDecoderLayer serves tensor parallelism" in cell.message, cell
+
+
+@pytest.mark.slow  # (time)
+@pytest.mark.parametrize("column", ["helix", "helix_tp"])
+def test_attention_sinks_are_refused_by_helix_naming_them(column):
+    cell = run_cell("hf:gpt_oss", column)
+    assert cell.status == "error" and "takes the parameter(s) ['self_attn.sinks']" in cell.message, cell
 
 
 def test_attention_sinks_are_refused_by_ring_attention_naming_ulysses():

@@ -46,8 +46,8 @@ class TracedAnatomy:
     family_level = False
     name = "the traced graph"
 
-    def __init__(self, program: Program, block_name: str) -> None:
-        self.program, self.block_name = program, block_name
+    def __init__(self, program: Program, block_name: str, tracer: Any = trace) -> None:
+        self.program, self.block_name, self.tracer = program, block_name, tracer  # tracer: to trace it again
 
     def __deepcopy__(self, memo: dict) -> TracedAnatomy:
         return self
@@ -97,7 +97,7 @@ class TracedAnatomy:
 
             plan = derive(self.program, config.tp)
             shard(block, plan, config.tp_mesh, tp_layout, prefix)
-        recipe = _Recipe(self.program, config, plan, self.block_name)
+        recipe = _Recipe(self.program, config, plan, self.block_name, self.tracer)
         return GraphForward(recipe, {self.program.training: recipe.transform(self.program)})
 
     def helix_split(self, block: nn.Module, config: Any, tp_layout: Any = None, prefix: str = "",
@@ -130,8 +130,8 @@ class _Recipe:
     """The transforms a block's program goes through for this rank's configuration, re-applicable to the
     block traced again (in the other mode: evaluation after training)."""
 
-    def __init__(self, program: Program, config: Any, plan: Any, block_name: str) -> None:
-        self.program, self.config, self.plan, self.block_name = program, config, plan, block_name
+    def __init__(self, program: Program, config: Any, plan: Any, block_name: str, tracer: Any = trace) -> None:
+        self.program, self.config, self.plan, self.block_name, self.tracer = program, config, plan, block_name, tracer
 
     def __deepcopy__(self, memo: dict) -> _Recipe:
         return self
@@ -159,7 +159,7 @@ class _Recipe:
         mode = block.training
         try:
             block.train(training)
-            return self.transform(trace(block, x, tuple(args), kwargs))
+            return self.transform(self.tracer(block, x, tuple(args), kwargs))
         finally:
             block.train(mode)
 

@@ -232,6 +232,12 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     feeds_qkv = _ancestors(list(site.qkv))
     pre = {n for n in feeds_qkv if deps[n] & {"x", "param"} and "attention" not in deps[n]}
     extra = [a for a in attention.all_input_nodes if a not in site.qkv]
+    weights = sorted(a.args[1] for a in extra if a.op == "call_function" and a.target is _param)
+    if weights:
+        raise Unsupported(
+            f"its attention call takes the parameter(s) {weights} (learned attention sinks: a logit per head), and"
+            " HelixPipe's attention stages hold no parameters; tensor and sequence parallelism (Ulysses) train it"
+        )
     if any(deps[a] for a in extra):
         raise Unsupported("its attention call reads a tensor computed from the hidden state or a parameter (a mask?)")
     post = {n for n in graph.nodes if n.op != "output" and deps.get(n) and n not in pre and n is not attention}

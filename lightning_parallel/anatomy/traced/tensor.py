@@ -48,7 +48,7 @@ from lightning_parallel.anatomy.traced.labels import (
     label,
     projections,
 )
-from lightning_parallel.anatomy.traced.program import Program
+from lightning_parallel.anatomy.traced.program import Program, _param
 from lightning_parallel.anatomy.traced.rewrite import rewrite
 from lightning_parallel.block_protocol import ConfigurationError, Unsupported
 
@@ -117,6 +117,8 @@ def derive(program: Program, tp: int) -> Plan:
         _assign(parameters, proj.weight, (1 - proj.out_dim, None if identity else perm))
     if not parameters:
         raise Unsupported("no projection of the block can be sharded (none feeds attention or a second projection)")
+    for name in _head_parameters(attentions):  # learned sinks: a logit per head, cut with the heads
+        _assign(parameters, name, (0, None))
     partial = {p for s, ps in labels.replicated_params.items() if base(s) in ranks for p in ps} - set(parameters)
     return Plan(colwise, rowwise, ranks, shard_dims, parameters, partial)
 
@@ -135,6 +137,24 @@ def _wide(labels: Labels, tp: int, projs: dict) -> set[Any]:
         if distinct > _hint(projs[base(source)].node.meta["val"].shape[-1]) // tp:
             wide.add(base(source))
     return wide
+
+
+def _head_parameters(attentions: list[fx.Node]) -> list[str]:
+    """The parameters a Hugging Face attention call takes per query head (``s_aux=``, GPT-OSS's sinks): rank r's
+    heads are ``[r·H/tp, (r+1)·H/tp)`` in their order (step 3), so each is cut along its only dim like them."""
+    names = []
+    for node in attentions:
+        if not getattr(node.target, "hf_attention_call", False):
+            continue
+        heads = node.args[0].meta["val"].shape[1]
+        for extra in node.args[4] or ():
+            if isinstance(extra, fx.Node) and extra.op == "call_function" and extra.target is _param:
+                shape = tuple(extra.meta["val"].shape)
+                if shape != (heads,):
+                    raise Unsupported(f"its attention call takes the parameter {extra.args[1]} of shape {shape}, not"
+                                      f" one value per head ({heads})")  # fmt: skip
+                names.append(extra.args[1])
+    return names
 
 
 def _assign(parameters: dict, name: str, value: tuple[int, Tensor | None]) -> None:
