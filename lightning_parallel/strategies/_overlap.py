@@ -107,6 +107,8 @@ class GradientBuckets:
         self.issued = []
 
     def _clear(self) -> None:
+        for work, *_ in getattr(self, "issued", ()):  # a step that issued buckets and never reached its sync
+            work.wait()
         self.prepared = False
         self.spoiled = False
         self.waiting = [len(bucket) for bucket in self.buckets]
