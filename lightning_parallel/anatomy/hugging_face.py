@@ -346,8 +346,10 @@ class HuggingFaceAnatomy:
         from lightning_parallel import tensor_parallel as tp
         from lightning_parallel.mlp_chunks import chunk_mlp
 
-        if config.tp > 1 and not config.tp_plan and not self.tp_plan_styles(block):
-            # no plan names the block's modules (GPT-OSS): the plan derived from the graph, its attention the model's
+        if config.tp > 1 and not config.tp_plan and not self.tp_plan_styles(block) and self.original != "sdpa":
+            # no plan names the block's modules and the graph would not show its attention (GPT-OSS's eager
+            # function, with sinks): the plan derived from the graph traced with the model's attention call as one
+            # op (an SDPA block is served by the traced source, whose graph shows SDPA itself)
             return self.traced(block)[0].local_forward(block, config, tp_layout, prefix)
         if config.tp > 1:
             plan = tp.expand_plan(block, dict(config.tp_plan)) if config.tp_plan else self.tp_plan(block)
