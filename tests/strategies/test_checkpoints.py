@@ -170,7 +170,7 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
         pytest.param("pp2dp2full", "gpt", marks=pytest.mark.slow),
         ("pp2", "gpt+sched"),
         # blocks still on meta read their keys (and optimizer state) at their first call; slow tier (time: 10 s
-        # each): deferred blocks resume fast under pp2 -> helix2 in the layout-change test
+        # each): a deferred model resumes fast in test_deferred_init's share test (tp=2, resume)
         pytest.param("tp2", "gpt-deferred", marks=pytest.mark.slow),
         pytest.param("helix2", "gpt-deferred", marks=pytest.mark.slow),
         pytest.param("helix2tp2", "gpt", marks=pytest.mark.slow),  # tp2 -> helix2tp2 places the fused q|k|v fast
