@@ -39,6 +39,7 @@ def test_readme_demo_helix_config_writes_the_profilers_files(tmp_path):
     assert {"bubble/stage_0", "bubble/theory_mean", "memory/peak_live_mib/stage_1", "memory/stage_ratio"} <= set(header)
 
 
+@pytest.mark.slow  # (time: 6 s, a LightningCLI process; the README demo runs a YAML config fast)
 def test_helix_x_tensor_parallel_config_builds_the_strategy():
     """examples/configs/helix_tp.yaml parses through LightningCLI into helix x tp (the fast tier's check; the
     4-process run below is slow)."""

@@ -47,6 +47,7 @@ def test_recompute_every_n_needs_every_n():
         HybridParallelStrategy(recompute="full", recompute_every_n=3)
 
 
+@pytest.mark.slow  # (time: 8 s, a LightningCLI process; the README demo runs helix from YAML fast)
 def test_helix_config_offers_no_pipeline_schedule_arguments():
     import subprocess
     import sys

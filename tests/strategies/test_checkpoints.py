@@ -448,6 +448,7 @@ def _save_consolidated(rank, world_size, path):
     return {k: v.cpu() for k, v in trainer.strategy.gather_named_parameters().items()}
 
 
+@pytest.mark.slow  # (time: 8 s; the export command writes one plain file in the slow tier too)
 def test_save_distributed_checkpoint_false_writes_one_plain_file(tmp_path):
     path = tmp_path / "one.ckpt"
     params = run_distributed(_save_consolidated, 2, str(path), init_process_group=False, timeout=120)[0]

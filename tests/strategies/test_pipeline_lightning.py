@@ -250,7 +250,7 @@ KILLED_SCRIPT = textwrap.dedent(
     [
         # slow tier (time): a rank killed in a pipeline's step is tests/strategies/test_killed_ranks.py's fast case
         pytest.param("pipeline", "step", marks=pytest.mark.slow),
-        # slow tier (time): HybridParallelStrategy's failure path is the pipeline's; its SIGTERM test stays fast
+        # slow tier (time): HybridParallelStrategy's failure path is the pipeline's
         pytest.param("tensor_parallel", "step", marks=pytest.mark.slow),
         pytest.param("pipeline", "save", marks=pytest.mark.slow),  # (time: 13 s) killed in a step: fast there
     ],
@@ -317,7 +317,7 @@ SIGTERM_SCRIPT = textwrap.dedent(
         # (time) the pipeline's failure path is test_exception_on_one_stage's; SIGTERM's is tensor_parallel's below
         pytest.param("pipeline", marks=pytest.mark.slow),
         pytest.param("helix", marks=pytest.mark.slow),  # helix's path is the pipeline's (its on_exception)
-        "tensor_parallel",
+        pytest.param("tensor_parallel", marks=pytest.mark.slow),  # (time: 12 s)
         pytest.param("hybrid", marks=pytest.mark.slow),  # hybrid's is tensor_parallel's (HybridParallelStrategy's)
     ],
 )

@@ -14,6 +14,7 @@ def test_hybrid_name_resolves_to_the_strategy():
     assert isinstance(trainer.strategy, HybridParallelStrategy)
 
 
+@pytest.mark.slow  # (time: 7 s, a fresh interpreter)
 def test_name_is_unknown_until_the_package_is_imported():
     code = (
         "import lightning as L\n"

@@ -96,6 +96,7 @@ def test_a_block_no_source_serves_names_every_source():
         holder.blocks[0](torch.randn(2, 4, 8))
 
 
+@pytest.mark.slow  # (time: 8 s, a fresh interpreter; tests/unit/test_repository.py checks the imports fast)
 def test_the_core_imports_no_model_library():
     """transformers, litgpt and timm are test dependencies only: importing the library and running a plain
     model through its Hugging Face and traced sources imports none of them (Lightning itself may, through
