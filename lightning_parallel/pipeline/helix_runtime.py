@@ -61,10 +61,9 @@ class HelixRuntime(PipelineRuntime):
     WEIGHT_KINDS = ("BP",)
 
     @override
-    def gradient_units(self, actions: list[Action]) -> list[tuple[int, list[int]]]:
+    def blocks_of_unit(self, unit: int) -> list[int]:
         """``P_j`` runs the post-attention part of block j-1 and the pre-attention part of block j."""
-        order = [unit for _, unit in sorted(self.last_weight_actions(actions).items())]
-        return [(j, [b for b in (j - 1, j) if 0 <= b < self.num_layers]) for j in order]
+        return [b for b in (unit - 1, unit) if 0 <= b < self.num_layers]
 
     # ------------------------------------------------------------------------------ messages
     def _send(self, ctx: StepContext, tensors: list[Tensor], stage: int, consumer: str, index: int, mb: int) -> None:

@@ -258,7 +258,11 @@ class PipelineRuntime:
         """This stage's gradient units in the order their last weight-gradient actions come in ``actions``, each
         with the trunk blocks whose parameters it may touch."""
         order = [unit for _, unit in sorted(self.last_weight_actions(actions).items())]
-        return [(c, list(self.chunk_blocks[c])) for c in order]
+        return [(unit, self.blocks_of_unit(unit)) for unit in order]
+
+    def blocks_of_unit(self, unit: int) -> list[int]:
+        """The trunk blocks whose parameters gradient unit ``unit`` (a model chunk) may touch."""
+        return list(self.chunk_blocks[unit])
 
     def source_of(self, a: Action, stage: int) -> int | None:
         """The stage that action ``a`` (run by ``stage``) receives its message from; ``None``: it receives none."""

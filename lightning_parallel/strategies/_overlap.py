@@ -102,9 +102,7 @@ class GradientBuckets:
         waited for (their results are not used)."""
         for handle in self._handles:
             handle.remove()
-        for work, *_ in self.issued:
-            work.wait()
-        self.issued = []
+        self._clear()
 
     def _clear(self) -> None:
         for work, *_ in getattr(self, "issued", ()):  # a step that issued buckets and never reached its sync
