@@ -50,6 +50,7 @@ class AttentionCall:
     dropout: float
     mask: Tensor | None
     softcap: float | None = None  # logit soft-capping (Gemma 2), which ring attention does not run
+    sinks: Tensor | None = None  # a learned logit per query head in the softmax's denominator (GPT-OSS)
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,17 @@ sequence's size is allocated. A pair with nothing to attend (its slice masks eve
 q chunk's future, or of other documents only) is skipped, forward and backward alike; a pair on the
 diagonal (q and kv the same chunk) never is, so every query gets an output.
 
+Learned attention sinks (GPT-OSS: a logit per head in the softmax's denominator, with no value) enter the merged
+log-sum-exp once per head after the ring, ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``: a
+sink is one more key whose value is 0. The backward's pairs take ``out'`` and ``lse'``, so their gradients stay
+exact, and the sink's gradient is ``-sum(exp(sink - lse') * D)`` over the rows, ``D = rowsum(dO * out')`` (the
+softmax gradient of a key with value 0).
+
 Per pair, on CPU torch's fused CPU flash-attention kernel and its backward (it takes a mask and returns the
-log-sum-exp); elsewhere (CUDA) the same two functions written out (:func:`_math_forward`, :func:`_math_backward`:
-scores, log-sum-exp and FlashAttention-2's backward in at least float32, a pair's c x c scores at a time), since
-CUDA's flash kernel takes no mask.
+log-sum-exp); elsewhere (CUDA), and where the values' head size differs from the queries' (latent attention,
+DeepSeek-V3, which the CPU kernel refuses), the same two functions written out (:func:`_math_forward`,
+:func:`_math_backward`: scores, log-sum-exp and FlashAttention-2's backward in at least float32, a pair's c x c
+scores at a time), since CUDA's flash kernel takes no mask.
 
 Being one operator (``lightning_parallel::ring_attention``), activation recomputation keeps its output
 instead of running the ring again (``recompute.communication_ops``). ``WORK`` counts the attention scores
@@ -93,10 +100,15 @@ def _math_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _fused(q: Tensor, v: Tensor) -> bool:
+    """Whether torch's fused CPU kernel serves this pair (on CPU, values as wide as the queries)."""
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
 def _pair_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
-    if q.device.type == "cpu":
+    if _fused(q, v):
         return _flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return _math_forward(q, k, v, causal, mask, scale)
 
@@ -112,7 +124,7 @@ def _pair_backward(
     mask: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if q.device.type == "cpu":
+    if _fused(q, v):
         return _flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
     return _math_backward(grad_out, q, k, v, out, lse, causal, mask, scale)
 
@@ -161,9 +173,10 @@ def ring_attention(
     scale: float,
     chunks: list[int],
     mask: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(B, H, 2c, d) local queries/keys/values (equal head counts) of the chunks ``chunks[2r], chunks[2r+1]``
-    -> (output, log-sum-exp)."""
+    """(B, H, 2c, d) local queries/keys (equal head counts; values (B, H, 2c, dv)) of the chunks ``chunks[2r],
+    chunks[2r+1]``, and ``sinks`` (H,) a learned logit per head -> (output, log-sum-exp, the sinks' included)."""
     group = _collectives.resolve_group(group_name)
     rank, sp = _collectives.group_rank(group), _collectives.group_size(group)
     outs: list[Tensor | None] = [None, None]
@@ -184,7 +197,11 @@ def ring_attention(
                 lses[i] = total
         if step < sp - 1:
             k, v = _collectives.ring_shift(k, group), _collectives.ring_shift(v, group)
-    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)  # type: ignore[arg-type]  # merged wide
+    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # type: ignore[arg-type]  # merged wide
+    if sinks is not None:  # one more key per head, value 0: the denominator grows, once
+        total = torch.logaddexp(lse, sinks.to(lse.dtype).reshape(1, -1, 1))
+        out, lse = out * torch.exp(lse - total).unsqueeze(-1), total
+    return out.to(q.dtype), lse
 
 
 @ring_attention.register_fake
@@ -197,19 +214,20 @@ def _(
     scale: float,
     chunks: list[int],
     mask: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:-1])
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, group_name, causal, scale, chunks, mask = inputs
+    q, k, v, group_name, causal, scale, chunks, mask, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.group_name, ctx.causal, ctx.scale, ctx.chunks, ctx.mask = group_name, causal, scale, chunks, mask
 
 
 def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyped-def]
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     group = _collectives.resolve_group(ctx.group_name)
     rank, sp = _collectives.group_rank(group), _collectives.group_size(group)
     qs, gos, os_, ls = q.chunk(2, dim=2), grad_out.chunk(2, dim=2), out.chunk(2, dim=2), lse.chunk(2, dim=2)
@@ -232,7 +250,19 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Tensor):  # type: ignore[no-untyp
             k, v = _collectives.ring_shift(k, group), _collectives.ring_shift(v, group)
         # the k/v gradients travel with their k/v and are home after sp shifts
         dk, dv = _collectives.ring_shift(dk, group), _collectives.ring_shift(dv, group)
-    return torch.cat(dq, dim=2), dk, dv, None, None, None, None, None
+    return torch.cat(dq, dim=2), dk, dv, None, None, None, None, None, _sinks_grad(grad_out, out, lse, sinks)
+
+
+def _sinks_grad(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor | None) -> Tensor | None:
+    """A sink's gradient: the softmax gradient of a key with value 0, ``-sum over rows of p_sink * D``, with
+    ``p_sink = exp(sink - lse)`` and ``D = rowsum(dO * out)`` (this rank's rows; the sequence-parallel sum of
+    block gradients adds the other ranks')."""
+    if sinks is None:
+        return None
+    wide = lse.dtype
+    delta = (grad_out.to(wide) * out.to(wide)).sum(-1)
+    p_sink = torch.exp(sinks.to(wide).reshape(1, -1, 1) - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup_context)

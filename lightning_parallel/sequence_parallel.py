@@ -241,7 +241,13 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, call: AttentionCall, chunks: tuple[in
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scale = call.scale if call.scale is not None else q.shape[-1] ** -0.5
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, _ = ring_attention(q, k, v, group.group_name, causal, scale, list(chunks), mask)
+    sinks = call.sinks.to_local() if isinstance(call.sinks, DTensor) else call.sinks
+    if sinks is not None and sinks.numel() != q.shape[1]:
+        raise ConfigurationError(
+            f"sequence_parallel_mode='ring': the attention call has {sinks.numel()} sinks for {q.shape[1]} query"
+            " heads; use sequence_parallel_mode='ulysses'"
+        )
+    out, _ = ring_attention(q, k, v, group.group_name, causal, scale, list(chunks), mask, sinks)
     return out
 
 

@@ -156,7 +156,10 @@ def check_divisible(block: nn.Module, plan: dict[str, str], tp: int) -> None:
 # styles a block-level plan may use; the first three are the user-facing ones (``STYLES``)
 _SHARDED = ("colwise", "rowwise", "colwise_qkv", "packed_colwise", "colwise_replicated_output",
             "rowwise_replicated_input")  # fmt: skip
-_ALL_STYLES = _SHARDED + ("replicated_partial_grad", "experts_partial_output")
+_ALL_STYLES = _SHARDED + ("replicated_partial_grad", "experts_partial_output", "replicated_tail_grad")
+#: ``replicated_tail_grad:<n>``: a replicated projection whose last ``n`` outputs go to this rank's heads without
+#: a column-parallel module between (latent attention's shared rope key, DeepSeek-V3's ``kv_a_proj_with_mqa``)
+TAIL_GRAD = "replicated_tail_grad"
 
 
 def shard_modules(
@@ -170,9 +173,12 @@ def shard_modules(
     row-parallel ones leave this rank's dropout stream (:mod:`lightning_parallel.rng`, forward hooks)."""
     enters, leaves = [], []
     for name, style in plan.items():
-        if style not in _ALL_STYLES:
+        if style.partition(":")[0] not in _ALL_STYLES:
             raise ValueError(f"tensor-parallel style {style!r} of {name!r} is not supported; known: {_ALL_STYLES}")
         target = _target(block, name)
+        if style.startswith(f"{TAIL_GRAD}:"):
+            target.register_forward_hook(_TailGrad(int(style.partition(":")[2]), mesh.get_group()))
+            continue
         if style == "replicated_partial_grad":
             layout.partial += [target] if isinstance(target, nn.Parameter) else list(target.parameters())
             continue
@@ -283,6 +289,21 @@ def _distribute_parameters(block: nn.Module, name: str, mesh: DeviceMesh, rowwis
             placement = Shard(param.dim() - 1) if rowwise else Shard(param.dim() - 2)
         dist = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
         setattr(parent, pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class _TailGrad:
+    """Forward hook of a replicated projection whose last ``n`` outputs reach this rank's heads directly (latent
+    attention's rope key, shared by every head: ``split -> k_rot -> attention``): their gradient is this rank's
+    heads' share, summed over the tensor-parallel group (identity forward, all-reduce backward). The other outputs
+    reach a column-parallel module, whose input gradient is already the sum. So the projection's own gradient is
+    whole on every rank, as transformers' ``MlaKvAProjParallel`` and Megatron's replicated layers give it."""
+
+    def __init__(self, n: int, group: Any) -> None:
+        self.n, self.group = n, group
+
+    def __call__(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        head, tail = output.split([output.shape[-1] - self.n, self.n], dim=-1)
+        return torch.cat([head, _collectives.copy_to_group(tail, self.group)], dim=-1)
 
 
 class _LocalCompute:

@@ -98,11 +98,6 @@ def _attention(original: str) -> Any:
             )
 
         sinks = _sinks(module, kwargs)
-        if shard.mode == "ring" and sinks:
-            raise ConfigurationError(
-                f"sequence_parallel_mode='ring' does not run attention sinks (the {type(module).__name__} call has a"
-                f" learned logit per head in its softmax: {', '.join(sinks)}); use sequence_parallel_mode='ulysses'"
-            )
         whole = dict(kwargs)
         if shard.mode == "ulysses" and isinstance(kwargs.get("position_ids"), Tensor):
             # the function sees the whole sequence (for 1/sp of the heads): flash-attention's variable-length path
@@ -120,8 +115,9 @@ def _attention(original: str) -> Any:
 
         def info() -> AttentionCall:
             causal = getattr(module, "is_causal", True) and attention_mask is None
+            own = kwargs["s_aux"] if "s_aux" in sinks else module.sinks if sinks else None
             return AttentionCall(causal, kwargs.get("scaling"), kwargs.get("dropout", 0.0), attention_mask,
-                                 kwargs.get("softcap"))  # fmt: skip
+                                 kwargs.get("softcap"), own)  # fmt: skip
 
         from lightning_parallel.sequence_parallel import attend
 
@@ -323,11 +319,20 @@ class HuggingFaceAnatomy:
         return self._plan_entries(block, {n for n, _ in block.named_modules()})
 
     def tp_plan(self, block: nn.Module) -> dict[str, str]:
+        from lightning_parallel import tensor_parallel as tp
+
         if not getattr(self.hf_config, "base_model_tp_plan", None):
             raise Unsupported(f"its config ({type(self.hf_config).__name__}) has no base_model_tp_plan")
         names = {n for n, _ in block.named_modules()} | {n for n, _ in block.named_parameters()}
         out = {}
         for name, style in self._plan_entries(block, names).items():
+            if style == "mla_kv_a_proj":  # latent attention's kv down projection: [compressed kv | rope key]
+                rope = getattr(self.hf_config, "qk_rope_head_dim", None)
+                if not isinstance(rope, int):
+                    raise Unsupported(f"base_model_tp_plan['layers.*.{name}'] = 'mla_kv_a_proj' needs the config's"
+                                      " qk_rope_head_dim")  # fmt: skip
+                out[name] = f"{tp.TAIL_GRAD}:{rope}"
+                continue
             if style not in STYLES:
                 raise Unsupported(f"base_model_tp_plan['layers.*.{name}'] = {style!r} is not one of {sorted(STYLES)}")
             out[name] = STYLES[style]
