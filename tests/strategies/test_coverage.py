@@ -33,8 +33,7 @@ EXPECTED = {
     # learned attention sinks: HelixPipe's attention stages hold no parameters
     ("hf:gpt_oss", "helix"): r"takes the parameter\(s\) \['self_attn\.sinks'\] \(learned attention sinks",
     ("hf:gpt_oss", "helix_tp"): r"takes the parameter\(s\) \['self_attn\.sinks'\] \(learned attention sinks",
-    # latent attention: its cut (the rope and non-rope parts split after attention; docs/guide.md)
-    ("hf:deepseek_v3", "helix"): r"the size split_with_sizes_1 the block uses after attention is not a size",
+    # latent attention under helix x tp: the derived plan does not follow its low-rank projections (docs/guide.md)
     ("hf:deepseek_v3", "helix_tp"): r"no projection of the block can be sharded",
 }
 FAST = {"hf:qwen3", "home:fused"}  # packed rows: tests/strategies/test_packed.py is fast

@@ -5,8 +5,8 @@ what trains and what is refused, by name, on every rank (docs/guide.md, "Limitat
   head group's sinks (the attention function reads them per head) and trains; tensor parallelism (its config has no
   plan for the layers: the plan derived from the traced graph, the attention call one op) cuts the sinks with the
   heads and trains, FSDP2 over it too; ring attention adds them to its merged log-sum-exp; HelixPipe refuses them.
-- DeepSeek-V3: multi-head latent attention; Ulysses, ring attention and tensor parallelism (transformers' plan,
-  its latent kv projection kept whole) train it.
+- DeepSeek-V3: multi-head latent attention; Ulysses, ring attention, HelixPipe and tensor parallelism
+  (transformers' plan, its latent kv projection kept whole) train it; helix x tp refuses it.
 - Qwen3-Next: gated DeltaNet layers (no attention) between full-attention layers. HelixPipe and sequence
   parallelism refuse a block that computes no attention, at once (tracing a DeltaNet layer took tens of seconds
   per rank, and 4 ranks on 2 cores ran past the harness's timeout); pipeline and tensor parallelism train it.
@@ -84,6 +84,14 @@ def test_latent_attention_trains_under_tensor_parallelism_and_ring_attention(col
     math kernel."""
     cell = run_cell("hf:deepseek_v3", column)
     assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
+
+
+@pytest.mark.slow  # (time: 15 s; tests/unit/test_traced_writes.py cuts a block that writes its keys, fast)
+def test_latent_attention_trains_under_helix():
+    """DeepSeek-V3 writes its keys into a fresh tensor (``new_empty``, ``copy_`` into the rope and non-rope parts):
+    the trace in functional form shows the writes before attention, and the cut holds."""
+    cell = run_cell("hf:deepseek_v3", "helix")
+    assert cell.status == "parity", cell
 
 
 @pytest.mark.slow  # (time)

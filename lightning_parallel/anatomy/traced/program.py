@@ -213,7 +213,26 @@ def trace(
         raise
     except Exception as err:  # noqa: BLE001  (any failure to trace is a reason this source cannot serve)
         raise Unsupported(f"torch.export could not trace it: {type(err).__name__}: {str(err).splitlines()[0]}") from err
+    if _writes_in_place(ep.graph):  # functional form: a write into a tensor becomes a node its readers depend on
+        with _quiet():
+            ep = ep.run_decompositions({})
     return replace(_program(ep, spec, leaves), training=block.training)
+
+
+def _copied(into: Tensor, src: Tensor) -> Tensor:
+    """``aten.copy(into, src)``: ``src`` broadcast to ``into``'s shape, in its dtype (differentiable)."""
+    return src.to(into.dtype).expand(into.shape)
+
+
+def _writes_in_place(graph: fx.Graph) -> bool:
+    """Whether the trace writes into a tensor (DeepSeek-V3's keys: ``new_empty`` then ``copy_`` into two slices).
+    Such a graph's edges do not show that the written tensor's readers depend on the write, so every analysis
+    that follows edges (the cut before attention, the labels) would place the write after its readers."""
+    return any(
+        isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        for n in graph.nodes
+        if n.op == "call_function"
+    )
 
 
 def _stand_in(value: Any) -> Any:
@@ -263,6 +282,9 @@ def _program(ep: torch.export.ExportedProgram, spec: TreeSpec, leaves: list[Any]
             graph.output(fx.node.map_arg(node.args[0], lambda n: env[n]))
         elif node.target is torch.ops.aten._assert_tensor_metadata.default:
             continue  # the trace's own check of a cast's dtype (float64 here), not part of the block
+        elif node.target is torch.ops.aten.copy.default:  # a functional write's value (it has no derivative)
+            env[node] = graph.call_function(_copied, tuple(env[a] for a in node.args[:2]))
+            env[node].meta = dict(node.meta)
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
             if node.target is torch.ops.aten.view.default:
