@@ -108,10 +108,19 @@ class Split:
     attention_call: Callable[[nn.Module, tuple, dict], AttentionCall] | None = None
     """The parameters of the attention call (ring attention runs its own kernel with them); ``None`` where the
     split cannot tell them without running the block (a mask computed inside it)."""
+    carried: int = 0
+    """How many parameters the attention call takes besides q, k, v (GPT-OSS's sinks: a logit per head): ``pre``
+    returns them after q, k, v, and ``attention`` takes them as ``carried=``, so that under HelixPipe they travel
+    with q, k, v to the attention stage (which holds no parameters) and their gradients come back with q's."""
+
+    def attend(self, block: nn.Module, inputs: tuple, args: tuple, kwargs: dict) -> Tensor:
+        """``attention`` on what ``pre`` returned for it: q, k, v and the carried parameters."""
+        q, k, v, *carried = inputs
+        return self.attention(block, q, k, v, args, kwargs, **({"carried": tuple(carried)} if carried else {}))
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
-        (q, k, v), state = self.pre(block, x, args, kwargs)
-        return self.post(block, self.attention(block, q, k, v, args, kwargs), state, args, kwargs)
+        inputs, state = self.pre(block, x, args, kwargs)
+        return self.post(block, self.attend(block, inputs, args, kwargs), state, args, kwargs)
 
 
 class OwnForward:

@@ -187,9 +187,11 @@ def tensor_parallel_split(split: Any, mesh: Any) -> Any:
         with tensor_parallel_rng(block, mesh, x.device):
             return split.pre(block, x, args, kwargs)
 
-    def attention(block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
+    def attention(
+        block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict, **carried: Any
+    ) -> Tensor:
         with tensor_parallel_rng(block, mesh, q.device, inside=True):
-            return split.attention(block, q, k, v, args, kwargs)
+            return split.attention(block, q, k, v, args, kwargs, **carried)
 
     def post(block: nn.Module, out: Tensor, state: Any, args: tuple, kwargs: dict) -> Any:
         with tensor_parallel_rng(block, mesh, out.device, inside=True):

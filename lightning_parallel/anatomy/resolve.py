@@ -234,6 +234,12 @@ def verified_split(
             split = tensor_parallel_rng_split(split, config.tp_mesh)
         if config.sp == 1:
             return split
+        if split.carried:
+            raise Unsupported(
+                f"its attention call takes {split.carried} parameter(s) besides q, k, v (learned sinks), which"
+                " HelixPipe carries to the attention stage but not through sequence parallelism's attention;"
+                " helix without sequence_parallel_size, or sequence parallelism (Ulysses or ring) alone, trains it"
+            )
         check_heads(*anatomy.heads(target), config.sp, config.sp_mode, type(target).__name__, config.tp)
         if sp is not None:
             sp.partial += list(target.parameters())

@@ -4,10 +4,12 @@
 ``P_j`` (stage j mod p) runs ``post`` of layer j and ``pre`` of layer j+1 with the user's captured block
 arguments; ``A_k`` runs the attention core of layer k on stage (k + d) mod p. Messages, per micro-batch:
 
-    P_{k-1} --(q, k, v after RoPE, state)--> A_k --(attention output, state)--> P_k
+    P_{k-1} --(q, k, v after RoPE, carried, state)--> A_k --(attention output, state)--> P_k
 
 where ``state`` is what ``post`` needs from before attention (the residual; more for some blocks, e.g. the
-normalised input of a parallel-residual block), passed through the attention stage untouched.
+normalised input of a parallel-residual block), passed through the attention stage untouched, and ``carried``
+the parameters the attention call itself reads (GPT-OSS's sinks, :attr:`Split.carried`; their gradients go back
+with q's).
 and their gradients back in the exact reverse order. The pre stage sends q, k, v rather than the paper's
 LayerNorm output + QKV weights: the attention stage then holds no parameters and returns no weight
 gradients (see docs/design.md for the cost). A message to the same stage is handed over locally, as the
@@ -168,9 +170,14 @@ class HelixRuntime(PipelineRuntime):
         extra = () if shard is None else (shard,)
         return self.splits[i].pre(self.trunk.blocks[i], x, args, kwargs, *extra)
 
-    def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict, shard: Any) -> Tensor:
-        extra = () if shard is None else (shard,)
-        return self.splits[i].attention(self.trunk.blocks[i], q, k, v, args, kwargs, *extra)
+    def _inputs(self, i: int) -> int:
+        """How many of the pre part's outputs the attention of block ``i`` reads: q, k, v and its carried ones."""
+        return 3 + getattr(self.splits[i], "carried", 0)
+
+    def _attend(self, i: int, inputs: list[Tensor], args: tuple, kwargs: dict, shard: Any) -> Tensor:
+        if shard is None:
+            return self.splits[i].attend(self.trunk.blocks[i], tuple(inputs), args, kwargs)
+        return self.splits[i].attention(self.trunk.blocks[i], *inputs, args, kwargs, shard)  # no carried (resolve)
 
     def _post_part(self, i: int, out: Tensor, state: tuple, args: tuple, kwargs: dict, shard: Any) -> Tensor:
         extra = () if shard is None else (shard,)
@@ -189,11 +196,12 @@ class HelixRuntime(PipelineRuntime):
 
     def _forward_attention(self, ctx: StepContext, a: Action) -> None:
         j, mb, p = a.chunk, a.microbatch, self.num_stages
-        q, k, v, *state = self._recv(ctx, 4, (j - 1) % p, a)
+        n = self._inputs(j - 1)
+        inputs = self._recv(ctx, n + 1, (j - 1) % p, a)
         args, kwargs = self._block_args(ctx, mb, j)
-        out = self._attend(j - 1, q, k, v, args, kwargs, self._shard(ctx, mb))
-        ctx.saved[a] = ([q, k, v, *state], [out])
-        self._send(ctx, [out, *state], j % p, "FP", j, mb)
+        out = self._attend(j - 1, inputs[:n], args, kwargs, self._shard(ctx, mb))
+        ctx.saved[a] = (inputs, [out])
+        self._send(ctx, [out, *inputs[n:]], j % p, "FP", j, mb)
 
     def _forward_param(self, ctx: StepContext, a: Action) -> None:
         j, mb = a.chunk, a.microbatch
@@ -209,15 +217,16 @@ class HelixRuntime(PipelineRuntime):
     def _chunk(
         self, ctx: StepContext, j: int, mb: int, trunk_input: Tensor | None, inputs: list[Tensor]
     ) -> list[Tensor]:
-        """post-attention of layer j (unless j == 0) then pre-attention of layer j+1: (q, k, v, *state)."""
+        """post-attention of layer j (unless j == 0) then pre-attention of layer j+1: (q, k, v, *carried,
+        *state)."""
 
         shard = self._shard(ctx, mb)
 
         def run(*tensors: Tensor) -> tuple[Tensor, ...]:
             x = self._enter(trunk_input, shard) if j == 0 else self._post(ctx, j, mb, tensors[0], tensors[1:])
             args, kwargs = self._block_args(ctx, mb, j + 1)
-            (q, k, v), state = self._pre(j, x, args, kwargs, shard)
-            return (q, k, v, *state)
+            inputs, state = self._pre(j, x, args, kwargs, shard)
+            return (*inputs, *state)
 
         if self.recompute and j > 0:
             return list(checkpoint(run, *inputs, use_reentrant=False))
@@ -255,7 +264,7 @@ class HelixRuntime(PipelineRuntime):
         try:
             grad_out, *grad_state = self._recv(ctx, 2, j % p, a)
             torch.autograd.backward(outputs, [grad_out])
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs[:3]]
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs[: self._inputs(j - 1)]]
             self._send(ctx, [*grads, *grad_state], (j - 1) % p, "BP", j - 1, mb)
         finally:
             self._backward_done(ctx, mb)
@@ -310,15 +319,18 @@ class HelixRuntime(PipelineRuntime):
             ev.shard = self.splits[0].shard(block, hidden, args, kwargs)
         if self.stage == pre_stage:
             x = self._enter(hidden, ev.shard) if i == 0 else ev.carry
-            (q, k, v), rest = self._pre(i, x, args, kwargs, ev.shard)
+            inputs, rest = self._pre(i, x, args, kwargs, ev.shard)
+            message = [*inputs, *rest]
             if post_stage != pre_stage:
                 dst = self.rank_of_stage(post_stage)
-                ev.sends += _collectives.isend_packed([q, k, v, *rest], dst, tag, self.lanes.to(dst))
+                ev.sends += _collectives.isend_packed(message, dst, tag, self.lanes.to(dst))
         if self.stage == post_stage:
             if post_stage != pre_stage:
                 src = self.rank_of_stage(pre_stage)
-                (q, k, v, *rest), _, _ = _collectives.recv_packed(src, tag, self.lanes.source(src), self.device)
-            out = self._attend(i, q, k, v, args, kwargs, ev.shard)
+                message, _, _ = _collectives.recv_packed(src, tag, self.lanes.source(src), self.device)
+            n = self._inputs(i)
+            out = self._attend(i, message[:n], args, kwargs, ev.shard)
+            rest = message[n:]
             ev.carry = self._post_part(i, out, tuple(rest), args, kwargs, ev.shard)
         return None, (ev.carry if i == self.num_layers - 1 and self.stage == 0 else None)
 

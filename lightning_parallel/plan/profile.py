@@ -129,17 +129,17 @@ def _helix_passes(split: Split, block: Any, x: Tensor, args: tuple, kwargs: dict
     packs: list[tuple[float, float]] = []
     for r in range(repeats + 1):
         (leaf,) = leaves([x])
-        t_pre, ((q, k, v), state) = _timed(lambda leaf=leaf: split.pre(block, leaf, args, kwargs))
-        qkv = [q, k, v, *state]
-        ql, kl, vl = leaves([q, k, v])
-        t_att, out = _timed(lambda ql=ql, kl=kl, vl=vl: split.attention(block, ql, kl, vl, args, kwargs))
+        t_pre, (inputs, state) = _timed(lambda leaf=leaf: split.pre(block, leaf, args, kwargs))
+        qkv = [*inputs, *state]
+        ins = leaves(list(inputs))
+        t_att, out = _timed(lambda ins=ins: split.attend(block, tuple(ins), args, kwargs))
         outl, *statel = leaves([out, *state])
         t_post, y = _timed(lambda outl=outl, statel=statel: split.post(block, outl, tuple(statel), args, kwargs))
         y = y if isinstance(y, Tensor) else y[0]
         t_post_g, _ = _timed(lambda y=y: backward([y], [torch.randn_like(y)]))
         grad_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (outl, *statel)]
         t_att_g, _ = _timed(lambda out=out, g=grad_out[0]: backward([out], [g]))
-        grad_qkv = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (ql, kl, vl)] + grad_out[1:]
+        grad_qkv = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins] + grad_out[1:]
         t_pre_g, _ = _timed(lambda qkv=qkv, g=grad_qkv: backward(qkv, g))
         t_pack_qkv, _ = _timed(lambda qkv=qkv: _collectives.pack(qkv))
         t_pack_out, _ = _timed(lambda out=out, state=state: _collectives.pack([out, *state]))
@@ -152,9 +152,9 @@ def _helix_passes(split: Split, block: Any, x: Tensor, args: tuple, kwargs: dict
                 runs[name].append(t)
             packs.append((t_pack_qkv, t_pack_out))
     (leaf,) = leaves([x])
-    pre_kept, ((q, k, v), state) = kept_for_backward(lambda: split.pre(block, leaf, args, kwargs))
-    ql, kl, vl = leaves([q, k, v])
-    attention_kept, out = kept_for_backward(lambda: split.attention(block, ql, kl, vl, args, kwargs))
+    pre_kept, (inputs, state) = kept_for_backward(lambda: split.pre(block, leaf, args, kwargs))
+    ins = leaves(list(inputs))
+    attention_kept, out = kept_for_backward(lambda: split.attend(block, tuple(ins), args, kwargs))
     outl, *statel = leaves([out, *state])
     post_kept, _ = kept_for_backward(lambda: split.post(block, outl, tuple(statel), args, kwargs))
     block.zero_grad(set_to_none=True)

@@ -4,7 +4,8 @@ what trains and what is refused, by name, on every rank (docs/guide.md, "Limitat
 - GPT-OSS: learned attention sinks (a logit per head in the softmax's denominator). Ulysses gives each rank its
   head group's sinks (the attention function reads them per head) and trains; tensor parallelism (its config has no
   plan for the layers: the plan derived from the traced graph, the attention call one op) cuts the sinks with the
-  heads and trains, FSDP2 over it too; ring attention adds them to its merged log-sum-exp; HelixPipe refuses them.
+  heads and trains, FSDP2 over it too; ring attention adds them to its merged log-sum-exp; HelixPipe carries them
+  with q, k, v to the attention stage (helix x sp refuses them).
 - DeepSeek-V3: multi-head latent attention; Ulysses, ring attention, HelixPipe and tensor parallelism
   (transformers' plan, its latent kv projection kept whole) train it; helix x tp refuses it.
 - Qwen3-Next: gated DeltaNet layers (no attention) between full-attention layers. HelixPipe and sequence
@@ -40,11 +41,23 @@ def test_without_its_heads_sinks_the_tensor_parallel_block_is_not_verified(monke
     assert cell.status == "error" and "no anatomy of GptOssDecoderLayer serves tensor parallelism" in cell.message, cell
 
 
-@pytest.mark.slow  # (time)
+@pytest.mark.slow  # (time: 14 s and 30 s; tests/unit/test_helix_carried.py carries a sink per head, fast)
 @pytest.mark.parametrize("column", ["helix", "helix_tp"])
-def test_attention_sinks_are_refused_by_helix_naming_them(column):
+def test_attention_sinks_travel_with_q_k_v_under_helix(column):
+    """The sinks are read on the pre-attention stage and carried to the attention stage with q, k, v (which holds
+    no parameters); their gradient comes back with q's. Under helix x tp each rank carries its heads' sinks."""
     cell = run_cell("hf:gpt_oss", column)
-    assert cell.status == "error" and "takes the parameter(s) ['self_attn.sinks']" in cell.message, cell
+    assert cell.status == "parity", cell
+
+
+@pytest.mark.slow  # (time)
+def test_attention_sinks_under_helix_x_sequence_parallelism_are_refused_naming_them():
+    from lightning_parallel import HelixParallelStrategy
+
+    cell = run_cell("hf:gpt_oss", "helix_tp", lambda: HelixParallelStrategy(pipeline_parallel_size=2,
+                                                                            sequence_parallel_size=2))  # fmt: skip
+    assert cell.status == "error", cell
+    assert "takes 1 parameter(s) besides q, k, v (learned sinks)" in cell.message, cell
 
 
 def test_attention_sinks_enter_the_ring_once_per_head():

@@ -8,7 +8,8 @@ called on ``mlp_chunks`` slices of ``h`` along the sequence and concatenated.
 
 **Split**: nodes that depend on the hidden state or on a parameter and feed q, k or v form ``pre``; the
 attention call and the argument-only nodes it needs (a mask from the block's arguments) form
-``attention``, which holds no parameter; everything else that depends on the hidden state, a parameter
+``attention``, which holds no parameter: a parameter the call reads itself (learned sinks) is read in ``pre``
+and carried to it after q, k, v (``Split.carried``); everything else that depends on the hidden state, a parameter
 or the attention output is ``post``. ``state`` is what ``post`` reads from ``pre`` (the residual, and
 e.g. the normalised input of a parallel-residual block). Argument-only nodes are recomputed wherever
 they are needed; a parameter ``pre`` and ``post`` both use refuses the split (HelixPipe places the two
@@ -193,7 +194,7 @@ def split(program: Program, site: Site, config: Any, block_name: str) -> Split:
     parts = _partition(program, site)
     pre, attention, post = _callables(program, parts, site.attention)
     return Split("the traced graph", pre, attention, post, pre_parameters=frozenset(parts["pre_parameters"]),
-                 attention_call=_static_call(site))  # fmt: skip
+                 attention_call=_static_call(site), carried=len(parts["carried"]))  # fmt: skip
 
 
 def _static_call(site: Site) -> Any:
@@ -232,12 +233,10 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     feeds_qkv = _ancestors(list(site.qkv))
     pre = {n for n in feeds_qkv if deps[n] & {"x", "param"} and "attention" not in deps[n]}
     extra = [a for a in attention.all_input_nodes if a not in site.qkv]
-    weights = sorted(a.args[1] for a in extra if a.op == "call_function" and a.target is _param)
-    if weights:
-        raise Unsupported(
-            f"its attention call takes the parameter(s) {weights} (learned attention sinks: a logit per head), and"
-            " HelixPipe's attention stages hold no parameters; tensor and sequence parallelism (Ulysses) train it"
-        )
+    # parameters the call reads (learned sinks): read before attention and carried to it with q, k, v
+    carried = [a for a in extra if a.op == "call_function" and a.target is _param]
+    pre |= set(carried)
+    extra = [a for a in extra if a not in carried]
     if any(deps[a] for a in extra):
         raise Unsupported("its attention call reads a tensor computed from the hidden state or a parameter (a mask?)")
     post = {n for n in graph.nodes if n.op != "output" and deps.get(n) and n not in pre and n is not attention}
@@ -250,7 +249,7 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     symbolic = [n for n in state if not isinstance(n.meta.get("val"), Tensor)]
     state = [n for n in state if isinstance(n.meta.get("val"), Tensor)]
     return {"pre": pre, "post": post, "state": state, "symbolic": symbolic, "x": x,
-            "pre_parameters": pre_params}  # fmt: skip
+            "pre_parameters": pre_params, "carried": carried}  # fmt: skip
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -307,14 +306,14 @@ def _part(program: Program, nodes: set[fx.Node], inputs: list[fx.Node], outputs:
 def _callables(program: Program, parts: dict[str, Any], attention: fx.Node) -> tuple[Any, Any, Any]:
     graph = program.graph
     q, k, v = attention.args[:3]
-    pre_nodes, post_nodes, state = parts["pre"], parts["post"], parts["state"]
-    pre_gm = _part(program, pre_nodes | _free(graph, pre_nodes, pre_nodes), [], [q, k, v, *state])
+    pre_nodes, post_nodes, state, carried = parts["pre"], parts["post"], parts["state"], parts["carried"]
+    pre_gm = _part(program, pre_nodes | _free(graph, pre_nodes, pre_nodes), [], [q, k, v, *carried, *state])
     attn_nodes = {attention} | _free(graph, {attention}, pre_nodes | {q, k, v})
-    attn_gm = _part(program, attn_nodes, [q, k, v], [attention])
+    attn_gm = _part(program, attn_nodes, [q, k, v, *carried], [attention])
     symbolic = _sizes_for(parts["symbolic"], [attention, *state])
     post_gm = _part(program, post_nodes | _free(graph, post_nodes, pre_nodes | {attention}),
                     [attention, *state], list(graph.output_node().args[0]), symbolic)  # fmt: skip
-    return _Pre(program, pre_gm), _Attention(program, attn_gm), _Post(program, post_gm)
+    return _Pre(program, pre_gm, len(carried)), _Attention(program, attn_gm), _Post(program, post_gm)
 
 
 def _sizes_for(symbolic: list[fx.Node], available: list[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
@@ -360,14 +359,20 @@ class _Part:
 
 
 class _Pre(_Part):
+    def __init__(self, program: Program, gm: fx.GraphModule, carried: int) -> None:
+        super().__init__(program, gm)
+        self.carried = carried
+
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         out = self._run(x, block, [], self.program.flatten(x, args, kwargs))
-        return (out[0], out[1], out[2]), tuple(out[3:])
+        return tuple(out[: 3 + self.carried]), tuple(out[3 + self.carried :])
 
 
 class _Attention(_Part):
-    def __call__(self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict) -> Tensor:
-        return self._run(q, block, [q, k, v], _placeholder_tensors(self, args, kwargs))[0]
+    def __call__(
+        self, block: nn.Module, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict, carried: tuple = ()
+    ) -> Tensor:
+        return self._run(q, block, [q, k, v, *carried], _placeholder_tensors(self, args, kwargs))[0]
 
 
 class _Post(_Part):
