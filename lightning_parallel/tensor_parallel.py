@@ -144,7 +144,9 @@ def check_divisible(block: nn.Module, plan: dict[str, str], tp: int) -> None:
         conv = not isinstance(target, Tensor) and _is_conv1d(target)
         out_dim, in_dim = (1, 0) if conv else (w.dim() - 2, w.dim() - 1)
         dim, what = (in_dim, "input width") if style == "rowwise" else (out_dim, "output width")
-        parts = {"colwise_qkv": 3, "packed_colwise": 2}.get(style, 1) * tp  # each fused part split into tp
+        if style == "packed_rowwise":  # x @ W: the packed outputs on the last dim
+            dim, what = w.dim() - 1, "packed output width"
+        parts = {"colwise_qkv": 3, "packed_colwise": 2, "packed_rowwise": 2}.get(style, 1) * tp  # fused parts / tp
         if w.shape[dim] % parts:
             fused = f" = {parts // tp} fused parts" if parts > tp else ""
             raise ConfigurationError(
@@ -155,7 +157,7 @@ def check_divisible(block: nn.Module, plan: dict[str, str], tp: int) -> None:
 
 # styles a block-level plan may use; the first three are the user-facing ones (``STYLES``)
 _SHARDED = ("colwise", "rowwise", "colwise_qkv", "packed_colwise", "colwise_replicated_output",
-            "rowwise_replicated_input")  # fmt: skip
+            "rowwise_replicated_input", "packed_rowwise")  # fmt: skip
 _ALL_STYLES = _SHARDED + ("replicated_partial_grad", "experts_partial_output", "replicated_tail_grad")
 #: ``replicated_tail_grad:<n>``: a replicated projection whose last ``n`` outputs go to this rank's heads without
 #: a column-parallel module between (latent attention's shared rope key, DeepSeek-V3's ``kv_a_proj_with_mqa``)
@@ -185,12 +187,13 @@ def shard_modules(
         if style == "experts_partial_output":
             target.forward = _LocalCompute(target, mesh)
             continue
-        if style in ("colwise_qkv", "packed_colwise"):
+        if style in ("colwise_qkv", "packed_colwise", "packed_rowwise"):
             for pname, dim, perm in _permute_fused(
-                block, name, target, tp=mesh.size(), parts=3 if style == "colwise_qkv" else 2
-            ):
+                block, name, target, tp=mesh.size(), parts=3 if style == "colwise_qkv" else 2,
+                last=style == "packed_rowwise",
+            ):  # fmt: skip
                 layout.permuted[f"{prefix}{pname}"] = (dim, perm)
-        rowwise = style in ("rowwise", "rowwise_replicated_input")
+        rowwise = style in ("rowwise", "rowwise_replicated_input", "packed_rowwise")
         if rowwise or style != "colwise_replicated_output":
             (leaves if rowwise else enters).append(target)
         if isinstance(target, nn.Parameter):
@@ -209,9 +212,18 @@ def shard_modules(
             parallel = (RowwiseParallel if rowwise else ColwiseParallel)(**layouts)
             parallel.src_data_rank = None  # every rank holds the same full weights: slice locally
             parallelize_module(target, mesh, parallel)
+        if rowwise and isinstance(target, nn.Module):
+            target.register_forward_hook(_owned)
     _dropout_regions(enters, leaves)
     if sequence_parallel:
         layout.partial += [p for p in block.parameters() if not isinstance(p.data, DTensor)]
+
+
+def _owned(module: nn.Module, args: Any, output: Any) -> Any:
+    """A row-parallel module's output as a tensor of its own: DTensor's ``to_local`` returns a view made by a custom
+    function, which autograd forbids writing into, and a model may add to it in place (Llama 4's MoE:
+    ``out = self.shared_expert(h); out.add_(routed)``)."""
+    return output.clone() if isinstance(output, Tensor) and output._is_view() else output
 
 
 def _dropout_regions(enters: list[Any], leaves: list[Any]) -> None:
@@ -240,13 +252,16 @@ def _target(block: nn.Module, name: str) -> nn.Module | nn.Parameter:
     return value
 
 
-def _permute_fused(block: nn.Module, name: str, target: Any, tp: int, parts: int) -> list[tuple[str, int, Tensor]]:
+def _permute_fused(
+    block: nn.Module, name: str, target: Any, tp: int, parts: int, last: bool = False
+) -> list[tuple[str, int, Tensor]]:
     """Reorder a fused projection's outputs (``parts`` equal parts, e.g. q|k|v) rank-aligned, in place;
-    returns (param name, dim, perm)."""
+    returns (param name, dim, perm). ``last``: a bare weight applied as ``x @ W`` (its outputs on the last dim,
+    a 3-D expert weight ``(experts, in, gate|up)``: transformers' ``packed_rowwise``)."""
     if isinstance(target, nn.Parameter):  # a bare in_proj_weight and its in_proj_bias, or a 3-d expert weight
         owner, _, attr = name.rpartition(".")
         parent = block.get_submodule(owner) if owner else block
-        pairs = [(name, target, target.dim() - 2)]
+        pairs = [(name, target, target.dim() - (1 if last else 2))]
         bias_name = attr.replace("weight", "bias")
         bias = getattr(parent, bias_name, None) if bias_name != attr else None
         if isinstance(bias, nn.Parameter):

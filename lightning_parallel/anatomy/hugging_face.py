@@ -36,6 +36,7 @@ STYLES = {  # base_model_tp_plan style -> this library's module style
     "colwise_gather_output": "colwise_replicated_output",
     "rowwise_split_input": "rowwise_replicated_input",
     "packed_colwise": "packed_colwise",
+    "packed_rowwise": "packed_rowwise",  # a 3-D expert weight (experts, in, gate|up): its packed last dim
     "replicated_with_grad_allreduce": "replicated_partial_grad",
     "moe_tp_experts": "experts_partial_output",
 }

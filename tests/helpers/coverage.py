@@ -95,6 +95,7 @@ ROW_TITLES = {
     "hf:qwen3_moe": "Hugging Face Qwen3-MoE (routed top-k, 3-D expert weights)",
     "hf:gpt_oss": "Hugging Face GPT-OSS (attention sinks, sliding + full layers, biased experts)",
     "hf:deepseek_v3": "Hugging Face DeepSeek-V3 (latent attention, shared expert)",
+    "hf:llama4": "Hugging Face Llama 4 (shared expert, 3-D experts sharded by its tp plan)",
     "hf:falcon_h1": "Hugging Face Falcon-H1 (attention and Mamba-2 side by side)",
     "hf:bert": "Hugging Face BERT (masked LM)",
     "litgpt": "litgpt GPT",

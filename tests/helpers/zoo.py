@@ -83,6 +83,10 @@ def hf_config(family: str, vocab: int, layers: int):
                                    num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                                    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
                                    v_head_dim=8, **no_ids, **drop)  # fmt: skip
+    if family == "llama4":  # every token through a shared expert and 3-D routed experts the tp plan shards
+        return tf.Llama4TextConfig(**llama_like, head_dim=8, intermediate_size_mlp=64, num_local_experts=4,
+                                   num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8,
+                                   no_rope_layers=[1] * layers, **no_ids, **drop)  # fmt: skip
     if family == "qwen3_moe":  # routed top-k experts as 3-D weights
         return tf.Qwen3MoeConfig(**llama_like, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=16, **drop)  # fmt: skip
@@ -343,7 +347,8 @@ HF_FAMILIES = (
     "gptj",
     "mixtral",
 )
-ROWS = (*(f"hf:{f}" for f in HF_FAMILIES), "hf:qwen3_moe", "hf:falcon_h1", "hf:gpt_oss", "hf:deepseek_v3", "hf:bert",
+ROWS = (*(f"hf:{f}" for f in HF_FAMILIES), "hf:qwen3_moe", "hf:falcon_h1", "hf:gpt_oss", "hf:deepseek_v3", "hf:llama4",
+        "hf:bert",
         "litgpt", "timm:vit", "lightning:demo", "home:rope", "home:fused")  # fmt: skip
 # what the parity helper builds: the matrix's rows, and models tested on their own (tests/strategies/test_families_2026.py)
 MODELS = (*ROWS, "hf:qwen3_next", "hf:t5_encoder")
