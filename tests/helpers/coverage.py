@@ -103,6 +103,7 @@ ROW_TITLES = {
     "lightning:demo": "Lightning demo Transformer (encoder-decoder)",
     "home:rope": "home-written, RoPE inside the block",
     "home:fused": "home-written, fused q\\|k\\|v, heads in `nh`",
+    "home:alibi": "home-written attention by hand: ALiBi bias, causal mask buffer, no SDPA",
 }
 PACKED_ROWS = ("packed:gpt", "packed:llama", *(f"packed:hf:{family}" for family in HF_FAMILIES))
 """The same strategies on packed rows (several documents per row, tests/helpers/packed.py): the example decoders

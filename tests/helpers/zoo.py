@@ -306,14 +306,45 @@ class FusedBlock(nn.Module):
         return x + self.feedforward["proj"](F.gelu(self.feedforward["fc"](self.post(x))))
 
 
+class ALiBiBlock(nn.Module):
+    """Hand-written attention with a bias of its own (Press et al., arXiv 2108.12409): scores ``q k^T / sqrt(d)``
+    plus a per-head linear distance penalty (slopes a registered buffer), a causal mask buffer filled with
+    ``-inf``, softmax, ``@ v``; no SDPA call."""
+
+    def __init__(self, width: int, nh: int, max_len: int = 64) -> None:
+        super().__init__()
+        self.nh, self.hd = nh, width // nh
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.o = nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.register_buffer("slopes", torch.tensor([2.0 ** (-8 * (i + 1) / nh) for i in range(nh)]))
+        self.register_buffer("causal", torch.ones(max_len, max_len, dtype=torch.bool).tril())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(B, T, self.nh, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+        pos = torch.arange(T, device=x.device)
+        distance = (pos[None, :] - pos[:, None]).to(scores.dtype)  # key - query: <= 0 where attended
+        scores = scores + self.slopes.view(1, -1, 1, 1) * distance
+        scores = scores.masked_fill(~self.causal[:T, :T], float("-inf"))
+        y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.o(y)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
 class HomeLM(_Optim, L.LightningModule):
-    """A home-written decoder over ``RoPEBlock`` or ``FusedBlock`` (learned positions for the latter)."""
+    """A home-written decoder over ``RoPEBlock``, ``FusedBlock`` (learned positions) or ``ALiBiBlock``."""
 
     def __init__(self, kind: str, vocab_size: int, lr: float = 0.05, optimizer: str = "sgd"):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, H)
         self.where = nn.Embedding(64, H) if kind == "fused" else None
-        make = (lambda: FusedBlock(H, 4)) if kind == "fused" else (lambda: RoPEBlock(H, 4))
+        make = {"fused": lambda: FusedBlock(H, 4), "rope": lambda: RoPEBlock(H, 4), "alibi": lambda: ALiBiBlock(H, 4)}[
+            kind
+        ]
         self.stack = nn.ModuleList([make() for _ in range(2)])
         self.out = nn.Linear(H, vocab_size)
         self.lr, self.opt = lr, optimizer
@@ -349,7 +380,7 @@ HF_FAMILIES = (
 )
 ROWS = (*(f"hf:{f}" for f in HF_FAMILIES), "hf:qwen3_moe", "hf:falcon_h1", "hf:gpt_oss", "hf:deepseek_v3", "hf:llama4",
         "hf:bert",
-        "litgpt", "timm:vit", "lightning:demo", "home:rope", "home:fused")  # fmt: skip
+        "litgpt", "timm:vit", "lightning:demo", "home:rope", "home:fused", "home:alibi")  # fmt: skip
 # what the parity helper builds: the matrix's rows, and models tested on their own (tests/strategies/test_families_2026.py)
 MODELS = (*ROWS, "hf:qwen3_next", "hf:t5_encoder")
 
@@ -372,6 +403,6 @@ def build(
         return LitGPT(vocab, lr=lr, optimizer=optimizer), data
     if row == "lightning:demo":
         return LightningDemo(vocab, lr=lr, optimizer=optimizer), data
-    if row in ("home:rope", "home:fused"):
+    if row in ("home:rope", "home:fused", "home:alibi"):
         return HomeLM(row[5:], vocab, lr=lr, optimizer=optimizer), data
     raise KeyError(row)

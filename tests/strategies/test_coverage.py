@@ -36,7 +36,8 @@ EXPECTED = {
     ("hf:llama4", "helix_tp"): r"by the plan derived from its traced graph, which\s+differs from the config's",
 }
 FAST = {"hf:qwen3", "home:fused"}  # packed rows: tests/strategies/test_packed.py is fast
-FAST_CELLS = {("hf:qwen3_moe", "helix")}  # a mixture of experts chunked by tokens under helix
+FAST_CELLS = {("hf:qwen3_moe", "helix"),  # a mixture of experts chunked by tokens under helix
+              ("home:alibi", "ulysses")}  # attention by hand, its per-head bias on the whole sequence  # fmt: skip
 SLOW_CELLS = {("hf:qwen3", "helix")}  # (time) helix over Hugging Face metadata: Qwen3-MoE's cell is fast
 FOUR_RANKS_FAST = {("home:fused", "helix_tp")}  # of the 4-rank columns: helix x tp through the traced graph
 

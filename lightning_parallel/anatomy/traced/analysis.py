@@ -80,8 +80,9 @@ def analyse(program: Program) -> Site:
     found = attention_nodes(graph)
     if not found:
         raise Unsupported(
-            "no attention call in its graph (looked for torch's scaled_dot_product_attention and transformers'"
-            " attention functions); a block that computes attention with matmul and softmax cannot be cut"
+            "no attention call in its graph (looked for torch's scaled_dot_product_attention, transformers'"
+            " attention functions, and q @ k^T, a constant scale, biases and masks that read no parameter, softmax,"
+            " @ v written by hand); another form of attention cannot be cut"
         )
     if len(found) > 1:
         raise Unsupported(

@@ -216,7 +216,9 @@ def trace(
     if _writes_in_place(ep.graph):  # functional form: a write into a tensor becomes a node its readers depend on
         with _quiet():
             ep = ep.run_decompositions({})
-    return replace(_program(ep, spec, leaves), training=block.training)
+    from lightning_parallel.anatomy.traced.manual import recognise
+
+    return replace(recognise(_program(ep, spec, leaves)), training=block.training)
 
 
 def _copied(into: Tensor, src: Tensor) -> Tensor:

@@ -237,7 +237,7 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     carried = [a for a in extra if a.op == "call_function" and a.target is _param]
     pre |= set(carried)
     extra = [a for a in extra if a not in carried]
-    if any(deps[a] for a in extra):
+    if any(_reads_values(a, x) or deps[a] & {"param", "attention"} for a in extra):
         raise Unsupported("its attention call reads a tensor computed from the hidden state or a parameter (a mask?)")
     post = {n for n in graph.nodes if n.op != "output" and deps.get(n) and n not in pre and n is not attention}
     post_params = {n.args[1] for n in post if n.op == "call_function" and n.target is _param}
@@ -250,6 +250,21 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     state = [n for n in state if isinstance(n.meta.get("val"), Tensor)]
     return {"pre": pre, "post": post, "state": state, "symbolic": symbolic, "x": x,
             "pre_parameters": pre_params, "carried": carried}  # fmt: skip
+
+
+def _reads_values(node: fx.Node, x: fx.Node) -> bool:
+    """Whether ``node`` reads the hidden state's values (its sizes, through ``sym_size``, every part can take from
+    its own inputs: a bias over ``arange(T)``)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is x:
+            return True
+        if n in seen or (n.op == "call_function" and n.target is torch.ops.aten.sym_size.int):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -308,8 +323,11 @@ def _callables(program: Program, parts: dict[str, Any], attention: fx.Node) -> t
     q, k, v = attention.args[:3]
     pre_nodes, post_nodes, state, carried = parts["pre"], parts["post"], parts["state"], parts["carried"]
     pre_gm = _part(program, pre_nodes | _free(graph, pre_nodes, pre_nodes), [], [q, k, v, *carried, *state])
-    attn_nodes = {attention} | _free(graph, {attention}, pre_nodes | {q, k, v})
-    attn_gm = _part(program, attn_nodes, [q, k, v, *carried], [attention])
+    # the hidden state's sizes an argument-only input of the call reads (a bias over arange(T)): from q, k, v
+    size_of_x = {n for n in graph.nodes if n.target is torch.ops.aten.sym_size.int and n.args[0] is parts["x"]}
+    attn_nodes = {attention} | _free(graph, {attention}, (pre_nodes - size_of_x) | {q, k, v})
+    sizes = [n for n in attn_nodes if n in size_of_x]
+    attn_gm = _part(program, attn_nodes - set(sizes), [q, k, v, *carried], [attention], _sizes_for(sizes, [q, k, v]))
     symbolic = _sizes_for(parts["symbolic"], [attention, *state])
     post_gm = _part(program, post_nodes | _free(graph, post_nodes, pre_nodes | {attention}),
                     [attention, *state], list(graph.output_node().args[0]), symbolic)  # fmt: skip

@@ -33,8 +33,13 @@ def _attend(shard: Any, q: Tensor, k: Tensor, v: Tensor, attn_mask: Any = None, 
             is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> Tensor:  # fmt: skip
     from lightning_parallel.sequence_parallel import attend
 
+    heads, mask = q.shape[1], attn_mask
+    if shard.mode == "ulysses" and isinstance(mask, Tensor) and mask.dim() >= 3 and mask.shape[-3] == heads > 1:
+        n = heads // shard.mesh.size()  # a mask per head (an ALiBi bias): this rank's head group of it
+        mask = mask.narrow(-3, shard.mesh.get_local_rank() * n, n)
+
     def inner(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return SDPA(q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
     info = lambda: AttentionCall(is_causal and attn_mask is None, scale, dropout_p, attn_mask)  # noqa: E731
     return attend(shard, q, k, v, inner, info)
@@ -46,6 +51,27 @@ def _positions(shard: Any, dtype: torch.dtype) -> Tensor:
 
 def _table(shard: Any, table: Tensor, dim: int) -> Tensor:
     return table.index_select(dim, shard.index)
+
+
+def _length(shard: Any) -> int:
+    return shard.length
+
+
+def _mask_only(program: Program, site: Site) -> set[fx.Node]:
+    """The nodes that compute the attention call's mask and nothing else (a bias over ``arange(T)`` built
+    inside the block): they run on the whole sequence's length, since attention sees every key."""
+    args = sdpa_arguments(site.attention)
+    mask = args["attn_mask"]
+    if not isinstance(mask, fx.Node) or set(mask.users) != {site.attention}:
+        return set()
+    only, stack = {mask}, list(mask.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in only or n.op == "placeholder" or n.target is aten.sym_size.int or not set(n.users) <= only:
+            continue
+        only.add(n)
+        stack.extend(n.all_input_nodes)
+    return only
 
 
 def sequence_parallel(program: Program, site: Site) -> Program:
@@ -67,9 +93,18 @@ def sequence_parallel(program: Program, site: Site) -> Program:
     inputs = program.tensor_inputs()
     whole = {inputs[i] for i in site.attention_inputs}  # masks stay whole: their length is not this rank's
     x = inputs[0]
+    mask_only = _mask_only(program, site)
+    lengths: list[fx.Node] = []
 
     def rule(node: fx.Node, graph: fx.Graph, env: dict) -> Any:
         shard = env["shard"]
+        if node in mask_only:  # the whole sequence's length where it reads this rank's
+            if not lengths:
+                lengths.append(graph.call_function(_length, (shard,)))
+            seq = lambda a: a.target is aten.sym_size.int and expr_of(a.meta["val"]) == site.seq  # noqa: E731
+            new = graph.node_copy(node, lambda a: lengths[0] if seq(a) else env[a])
+            new.meta = dict(node.meta)
+            return new
         if node.target == aten.sym_size.int and node.args[0] in whole and expr_of(node.meta["val"]) == site.seq:
             new = graph.call_function(aten.sym_size.int, (env[x], site.seq_dim))  # this rank's length
             new.meta = dict(node.meta)

@@ -306,9 +306,25 @@ def _localise(program: Program, plan: Plan, tp: int, group: Any) -> Program:
         rng.leave_sharded()  # replicated from here: the default generator, the same on every rank
         return _collectives.reduce_from_group(t, group)
 
+    def local_heads(mask: Tensor, heads: int) -> Tensor:  # rank r holds heads [r·H/tp, (r+1)·H/tp)
+        n = heads // tp
+        return mask.narrow(-3, _collectives.group_rank(group) * n, n)
+
     copied: dict[fx.Node, fx.Node] = {}
+    per_head = _per_head_masks(program)
 
     def rule(node: fx.Node, graph: fx.Graph, env: dict) -> Any:
+        if node in per_head:  # an SDPA call whose mask has a value per head: this rank's heads of it
+            position, heads = per_head[node]
+            args = list(fx.node.map_arg(node.args, lambda n: env[n]))
+            kwargs = dict(fx.node.map_arg(node.kwargs, lambda n: env[n]))
+            if position < len(args):
+                args[position] = graph.call_function(local_heads, (args[position], heads))
+            else:
+                kwargs["attn_mask"] = graph.call_function(local_heads, (kwargs["attn_mask"], heads))
+            new = graph.call_function(node.target, tuple(args), kwargs)
+            new.meta = dict(node.meta)
+            return new
         if node in plan.colwise:
             x = plan.colwise[node].input
             if x not in copied:
@@ -327,6 +343,21 @@ def _localise(program: Program, plan: Plan, tp: int, group: Any) -> Program:
         return None
 
     return rewrite(program, rule)
+
+
+def _per_head_masks(program: Program) -> dict[fx.Node, tuple[int, int]]:
+    """SDPA calls whose ``attn_mask`` has a heads dim (an ALiBi bias, ``(.., H, T, S)``): call -> (the mask's
+    position in the call's arguments, or past them for the keyword, H)."""
+    found = {}
+    for node in attention_nodes(program.graph):
+        if node.target != aten.scaled_dot_product_attention.default:
+            continue
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        heads = _hint(node.args[0].meta["val"].shape[1])
+        value = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        if isinstance(value, Tensor) and value.dim() >= 3 and _hint(value.shape[-3]) == heads > 1:
+            found[node] = (3 if len(node.args) > 3 else 99, heads)
+    return found
 
 
 def _rowwise(node: fx.Node, graph: fx.Graph, env: dict, reduce_out: Any) -> fx.Node:
