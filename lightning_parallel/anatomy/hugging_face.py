@@ -57,6 +57,7 @@ class _Route:
     block: nn.Module | None = None
     calls: int = 0
     names: dict[int, str] = field(default_factory=dict)
+    chained: int = 0  # calls of a recurrent mixer whose state passed between sp ranks (lightning_parallel.lasp)
 
 
 _ROUTE: ContextVar[_Route | None] = ContextVar("lightning_parallel_hf_route", default=None)
@@ -369,6 +370,10 @@ class HuggingFaceAnatomy:
             chunk_mlp(mlp, "forward", config.mlp_chunks, -2, type(block).__name__)
         if config.sp > 1:
             self._route(block, config)
+            from lightning_parallel.lasp import Chained, recurrent_mixers
+
+            for mixer in recurrent_mixers(block):
+                mixer.forward = Chained(mixer, _chain_shard)
         return _HFForward()
 
     def routed_trace(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
@@ -447,6 +452,15 @@ class _HFForward:
             return type(block).forward(block, x, *args, **kwargs)
         with routed(_Route(shard=shard)) as route:
             out = type(block).forward(block, x, *args, **kwargs)
-        if route.calls == 0:
+        if route.calls == 0 and route.chained == 0:
             raise Unsupported("the block does not call transformers' attention registry")
         return out
+
+
+def _chain_shard() -> Any:
+    """The sequence shard a recurrent mixer's state is chained over in this call (None outside one)."""
+    route = _ROUTE.get()
+    if route is None or route.shard is None:
+        return None
+    route.chained += 1
+    return route.shard

@@ -30,29 +30,32 @@ from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matchi
 from lightning_parallel.anatomy.attends import attends
 from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
 from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Unsupported
+from lightning_parallel.lasp import recurrent_mixers
 
 SOURCES = ("adapters", "hugging_face", "own_forward", "traced")
 _LABELS = {"adapters": "adapter ", "hugging_face": "hugging_face", "own_forward": "own forward", "traced": "traced"}
 
 
 def candidates(
-    block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any, winner: str | None = None
-) -> Iterator[tuple[str, Any]]:
+    block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any, winner: str | None = None,
+    skip: tuple[str, ...] = (),
+) -> Iterator[tuple[str, Any]]:  # fmt: skip
     """``(source, anatomy)`` in the order to try, or ``(source, Unsupported(reason))`` for a source that
-    cannot serve; ``winner`` (the source an earlier block of the trunk verified with) first."""
+    cannot serve; ``winner`` (the source an earlier block of the trunk verified with) first; ``skip``: sources
+    not to try."""
     if config.adapter is not None:
         yield "adapter=", AdapterAnatomy(named_adapter(config.adapter))
         return
     if winner is not None:  # the trunk's winner first, then the others in order (each made only when reached)
-        yield from ((s, a) for s, a in _all(block, sample, config, only=winner))
-    yield from ((s, a) for s, a in _all(block, sample, config) if s != winner)
+        yield from ((s, a) for s, a in _all(block, sample, config, only=winner, skip=skip))
+    yield from ((s, a) for s, a in _all(block, sample, config, skip=skip) if s != winner)
 
 
 def _all(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any,
-         only: str | None = None) -> Iterator[tuple[str, Any]]:  # fmt: skip
+         only: str | None = None, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:  # fmt: skip
     """The sources in order, each anatomy made when reached (tracing costs); ``only``: that source alone."""
     for source in config.sources if config.sources is not None else SOURCES:
-        if only is not None and not only.startswith(_LABELS[source]):
+        if (only is not None and not only.startswith(_LABELS[source])) or source in skip:
             continue
         if source == "adapters":
             for adapter in matching_adapters(block):
@@ -134,16 +137,22 @@ def first_verified(
         x, args, kwargs = sample
         mark = fingerprint(block) if proven is not None else None
         seen = proven is not None and any(m == mark for _, m in proven)  # a block like it was verified
-        if (config.split or config.sp > 1) and config.adapter is None and not seen and not attends(block, sample):
+        checked = (config.split or config.sp > 1) and config.adapter is None and not seen
+        attending = attends(block, sample) if checked else True
+        chained = not config.split and bool(recurrent_mixers(block))  # sp passes their state (LASP)
+        if not attending and not chained:
             raise AnatomyError(
                 f"no anatomy of {type(block).__name__} serves {features(config)}: the block computes no attention (no"
                 " attention call and no softmax over scores in a call on the first batch); its tokens mix through a"
                 " recurrent mixer (a linear attention, a state-space model) or not at all. HelixPipe cuts a block at"
-                " its attention call and sequence parallelism splits attention; train it under pipeline,"
+                " its attention call; sequence parallelism splits attention, and passes a recurrent mixer's state"
+                " between ranks only where it keeps it in transformers' cache; train it under pipeline,"
                 " tensor_parallel or hybrid"
             )
         reasons: list[str] = []
-        for source, anatomy in candidates(block, sample, config, winner):
+        if not attending:  # a traced graph is split at attention; tracing a recurrent mixer costs tens of seconds
+            reasons.append("traced: the block computes no attention, where a traced graph is split")
+        for source, anatomy in candidates(block, sample, config, winner, skip=() if attending else ("traced",)):
             if isinstance(anatomy, Exception):
                 reasons.append(f"{source}: {anatomy}")
                 continue

@@ -27,9 +27,6 @@ EXPECTED = {
     ("lightning:demo", "ulysses"): r"calls attention 2 times \(e\.g\. self- and cross-attention\)",
     ("lightning:demo", "ring"): r"calls attention 2 times \(e\.g\. self- and cross-attention\)",
     ("lightning:demo", "helix_tp"): r"calls attention 2 times \(e\.g\. self- and cross-attention\)",
-    # a recurrent mixer beside attention: split over sp ranks it would see only their tokens (LASP not built)
-    ("hf:falcon_h1", "ulysses"): r"mixes tokens along the sequence outside its attention call \(conv1d",
-    ("hf:falcon_h1", "ring"): r"mixes tokens along the sequence outside its attention call \(conv1d",
     # latent attention under helix x tp: the derived plan does not follow its low-rank projections (docs/guide.md)
     ("hf:deepseek_v3", "helix_tp"): r"no projection of the block can be sharded",
     # helix x tp shards by the plan derived from the graph, which keeps Llama 4's MoE block replicated: refused

@@ -8,9 +8,11 @@ what trains and what is refused, by name, on every rank (docs/guide.md, "Limitat
   with q, k, v to the attention stage (helix x sp refuses them).
 - DeepSeek-V3: multi-head latent attention; Ulysses, ring attention, HelixPipe and tensor parallelism
   (transformers' plan, its latent kv projection kept whole) train it; helix x tp refuses it.
-- Qwen3-Next: gated DeltaNet layers (no attention) between full-attention layers. HelixPipe and sequence
-  parallelism refuse a block that computes no attention, at once (tracing a DeltaNet layer took tens of seconds
-  per rank, and 4 ranks on 2 cores ran past the harness's timeout); pipeline and tensor parallelism train it.
+- Qwen3-Next: gated DeltaNet layers (no attention) between full-attention layers. HelixPipe refuses a block that
+  computes no attention, at once (tracing a DeltaNet layer took tens of seconds per rank, and 4 ranks on 2 cores
+  ran past the harness's timeout); sequence parallelism chains the mixer's state (LASP) but its float32 verification
+  refuses it; pipeline and tensor parallelism train it.
+- Falcon-H1 under sequence parallelism: its Mamba-2 mixer's state chained between ranks (LASP).
 """
 
 from __future__ import annotations
@@ -67,13 +69,42 @@ def test_attention_sinks_enter_the_ring_once_per_head():
     assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
 
 
-@pytest.mark.parametrize("column", ["helix", pytest.param("ulysses", marks=pytest.mark.slow),
-                                    pytest.param("helix_tp", marks=pytest.mark.slow)])  # fmt: skip
-def test_a_block_without_attention_is_refused_by_helix_and_sequence_parallelism(column):
+@pytest.mark.parametrize("column", ["helix", pytest.param("helix_tp", marks=pytest.mark.slow)])
+def test_a_block_without_attention_is_refused_by_helix(column):
     cell = run_cell("hf:qwen3_next", column)
     assert cell.status == "error", cell
     assert "no anatomy of Qwen3NextDecoderLayer serves" in cell.message
     assert "the block computes no attention" in cell.message and "train it under pipeline" in cell.message
+
+
+@pytest.mark.parametrize("column", ["ulysses", pytest.param("ring", marks=pytest.mark.slow)])
+def test_a_mamba_mixer_beside_attention_passes_its_state_between_sequence_parallel_ranks(column):
+    """Falcon-H1: attention (Ulysses / ring) and a Mamba-2 mixer side by side in every layer; the mixer runs on
+    each rank's tokens from the state and convolution inputs of the tokens before them (LASP,
+    lightning_parallel/lasp.py; tests/unit/test_lasp.py checks the chain against one process)."""
+    cell = run_cell("hf:falcon_h1", column)
+    assert cell.status == "parity" and cell.anatomy == "hugging_face", cell
+
+
+@pytest.mark.slow  # (time)
+def test_without_the_state_from_the_rank_before_the_mixer_is_not_verified(monkeypatch):
+    from lightning_parallel import lasp
+
+    receive = lasp._Receive.apply
+    monkeypatch.setattr(lasp._Receive, "apply", lambda *a: tuple(t * 0 for t in receive(*a)))
+    cell = run_cell("hf:falcon_h1", "ulysses")
+    assert cell.status == "error" and "hugging_face does not reproduce FalconH1DecoderLayer" in cell.message, cell
+
+
+def test_a_gated_deltanet_layer_under_sequence_parallelism_is_refused_by_verification():
+    """Qwen3-Next's DeltaNet layers: the chained candidate is built (no attention, so no traced graph is tried) and
+    verified; the delta rule computes in float32 on its own and its MoE's grouped GEMM takes no float64, so the
+    verification runs in float32, where the split recurrence's rounding on the decay parameters' smallest
+    gradient elements passes the bound (tests/unit/test_lasp.py shows the chain exact to float32 on the mixer)."""
+    cell = run_cell("hf:qwen3_next", "ulysses")
+    assert cell.status == "error", cell
+    assert "traced: the block computes no attention" in cell.message
+    assert "gradient of linear_attn.dt_bias" in cell.message
 
 
 @pytest.mark.slow

@@ -21,12 +21,11 @@ forward before it is used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, fx
-
-from lightning_parallel.anatomy.traced.program import Program, _param
 
 aten = torch.ops.aten
 _MATMUL = {aten.matmul.default}
@@ -46,9 +45,10 @@ def attention_bias(dtype: torch.dtype, biases: list[Tensor], fills: list[Tensor]
     return total
 
 
-def recognise(program: Program) -> Program:
-    """``program`` with its one hand-written attention (the module docstring's pattern) as an SDPA call; the
-    program unchanged where no such pattern is found."""
+def recognise(program: Any, param: Callable[..., Tensor]) -> Any:
+    """``program`` (a traced :class:`~lightning_parallel.anatomy.traced.program.Program`, whose nodes read the
+    block's parameters through ``param``) with its one hand-written attention (the module docstring's pattern) as
+    an SDPA call, in place; the program unchanged where no such pattern is found."""
     graph = program.graph
     found = [m for m in (_match(n) for n in graph.nodes) if m is not None]
     if len(found) != 1:
@@ -56,7 +56,7 @@ def recognise(program: Program) -> Program:
     out, q, k, v, scale, biases, fills = found[0]
     hidden = next(n for n in graph.nodes if n.op == "placeholder" and n.name != "block")
     for term in (*biases, *fills):
-        if _reads(term, hidden, values=True) or _reads_parameter(term):
+        if _reads(term, hidden) or any(n.op == "call_function" and n.target is param for n in _ancestors(term)):
             return program
     dtype = out.meta["val"].dtype
     with graph.inserting_before(out):
@@ -153,7 +153,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _reads(term: fx.Node, hidden: fx.Node, values: bool) -> bool:
+def _reads(term: fx.Node, hidden: fx.Node) -> bool:
     """Whether ``term`` reads the hidden state's values (its sizes, through ``sym_size``, are fine)."""
     stack, seen = [term], set()
     while stack:
@@ -167,10 +167,6 @@ def _reads(term: fx.Node, hidden: fx.Node, values: bool) -> bool:
             continue
         stack.extend(n.all_input_nodes)
     return False
-
-
-def _reads_parameter(term: fx.Node) -> bool:
-    return any(n.op == "call_function" and n.target is _param for n in _ancestors(term))
 
 
 def _bias_value(node: fx.Node) -> Tensor:

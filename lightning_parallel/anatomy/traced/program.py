@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from lightning_parallel.anatomy.traced.manual import recognise
 from lightning_parallel.block_protocol import Unsupported
 
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {name: (owning module, attribute)}
@@ -216,9 +217,7 @@ def trace(
     if _writes_in_place(ep.graph):  # functional form: a write into a tensor becomes a node its readers depend on
         with _quiet():
             ep = ep.run_decompositions({})
-    from lightning_parallel.anatomy.traced.manual import recognise
-
-    return replace(recognise(_program(ep, spec, leaves)), training=block.training)
+    return replace(recognise(_program(ep, spec, leaves), _param), training=block.training)
 
 
 def _copied(into: Tensor, src: Tensor) -> Tensor:
