@@ -149,9 +149,10 @@ def test_without_the_rope_keys_sum_latent_attention_is_not_verified(monkeypatch)
 
 
 class _ExpertsSharded:
-    """A callback (built inside each rank) that fails the rank unless every expert's hidden size is sharded."""
+    """A callback (built inside each rank) that fails the rank unless every routed expert weight holds half of its
+    elements after the first step (tp=2: each expert's hidden size sharded), and counts them."""
 
-    def __new__(cls):
+    def __new__(cls, expected: int):
         import lightning as L
 
         class Check(L.Callback):
@@ -162,22 +163,27 @@ class _ExpertsSharded:
                 for name, p in pl_module.named_parameters():
                     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                         local = p.to_local() if isinstance(p, DTensor) else p
-                        dim = -1 if name.endswith("gate_up_proj") else -2  # (E, H, gate|up), (E, I, H)
-                        assert local.shape[dim] * 2 == p.shape[dim], (name, tuple(local.shape), tuple(p.shape))
+                        assert local.numel() * 2 == p.numel(), (name, tuple(local.shape), tuple(p.shape))
                         seen += 1
-                assert seen == 4, seen  # 2 layers x 2 weights
+                assert seen == expected, seen
 
         return Check()
 
 
-def test_a_mixture_whose_tp_plan_shards_its_3d_experts_trains_with_each_experts_hidden_size_sharded():
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [("hf:llama4", 4), ("hf:qwen3_moe", 4), pytest.param("hf:mixtral", 4, marks=pytest.mark.slow),
+     pytest.param("hf:deepseek_v3", 2, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_mixtures_train_under_tp_with_each_experts_hidden_size_sharded(row, expected):
     """Llama 4's plan shards the routed experts' 3-D weights (transformers' 'packed_rowwise' on (E, H, gate|up),
-    'colwise' on (E, I, H), 'moe_tp_experts' summing the partial output): each rank holds half of every expert's
-    hidden size, the gate and up halves rank-aligned; parity with one process."""
+    'colwise' on (E, I, H), 'moe_tp_experts' summing the partial output); for transformers 5's standard experts
+    (``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``), which the configs' plans leave out, the Hugging Face
+    anatomy adds the same: each rank holds half of every expert's hidden size, gate and up rank-aligned; parity."""
     from tests.helpers.coverage import COLUMNS
     from tests.helpers.parity import assert_parity
 
     make, dp, world = COLUMNS["tensor_parallel"]
-    records = assert_parity("hf:llama4", make, world, data_parallel_size=dp, dtype="float32", steps=2,
-                            callbacks=lambda: [_ExpertsSharded()])  # fmt: skip
+    records = assert_parity(row, make, world, data_parallel_size=dp, dtype="float32", steps=2,
+                            callbacks=lambda: [_ExpertsSharded(expected)])  # fmt: skip
     assert all("hugging_face" in r.anatomy for r in records)
