@@ -21,6 +21,7 @@ model's own zero state.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -55,7 +56,8 @@ class Chained:
         self.module, self.shard_of = module, shard_of
 
     def __deepcopy__(self, memo: dict) -> Chained:
-        return self
+        """A copy of the block (verification's reference) chains its own copy of the mixer."""
+        return Chained(copy.deepcopy(self.module, memo), self.shard_of)
 
     def __call__(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None, **kwargs: Any):
         forward = type(self.module).forward

@@ -76,3 +76,16 @@ def _compare(rank, world_size, family, mode):
 @pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next"])
 def test_the_chained_mixer_matches_the_whole_sequence(family, mode):
     assert run_distributed(_compare, 2, family, mode, timeout=120) == [True, True]
+
+
+def test_a_copied_block_chains_its_own_copy_of_the_mixer():
+    """Verification's reference is a deep copy of a block that may already hold a chained mixer: the copy's chain
+    must run the copy's parameters (float64), not the original's."""
+    import copy
+
+    from lightning_parallel.lasp import Chained
+
+    mixer, _ = _mixer("falcon_h1")
+    mixer.forward = Chained(mixer, lambda: None)
+    twin = copy.deepcopy(mixer)
+    assert twin.forward.module is twin and twin is not mixer

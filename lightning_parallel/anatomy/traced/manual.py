@@ -2,7 +2,7 @@
 that works on an attention call (the tensor-parallel plan, sequence parallelism, HelixPipe's cut) serves it.
 
 The pattern, on ``(B, H, T, D)`` tensors (Vaswani et al., arXiv 1706.03762, eq. 1, with the additive biases of
-ALiBi, Press et al., arXiv 2108.12409, or T5-style tables)::
+ALiBi, Press et al., arXiv 2108.12409, or a table in a buffer)::
 
     s = q @ k.transpose(-2, -1)          (aten.matmul; k^T by transpose or permute of its last two dims)
     s = s * c  |  s / c                  (constant factors: the scale)
