@@ -403,6 +403,7 @@ def test_tensor_parallel_checkpoint_holds_the_original_layout_and_round_trips(mo
         _assert_close(optimizer, reference["optimizer_states"][0]["state"], f"{target}: optimizer state")
 
 
+@pytest.mark.slow  # (time: 8 s) the fused q|k|v's rank-aligned permutation round-trips fast above
 def test_sharded_experts_are_saved_whole_and_round_trip(tmp_path):
     """Qwen3-MoE at tp=2 holds half of every expert's hidden size, its gate and up rows permuted rank-aligned:
     the checkpoint holds each expert whole in the original order, equal to one device's (float32, SGD with
