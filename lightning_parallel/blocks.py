@@ -401,8 +401,9 @@ class BlockLayer:
             build = lambda anatomy: self._candidate(runner.index, anatomy)  # noqa: E731
             self.winner, anatomy = resolve.first_verified(block, sample, config, self.winner, build, self.groups(),
                                                           self.proven)  # fmt: skip
+            through = resolve.chains(block, config)
             check = lambda b, x_, a, kw: verify(b, x_, a, kw, build(anatomy), name=anatomy.name,  # noqa: E731
-                                                groups=self.groups())  # fmt: skip
+                                                groups=self.groups(), through=through)  # fmt: skip
             what = f"block {runner.index} ({type(block).__name__})"
             runner.verdicts = Verdicts(block, args, kwargs, what, runner.index, check)
             self._commit(runner, anatomy)

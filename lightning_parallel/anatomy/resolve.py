@@ -75,6 +75,12 @@ def _all(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any,
             yield "traced", _attempt(lambda: traced.anatomy_of(block, sample, config))
 
 
+def chains(block: nn.Module, config: Any) -> bool:
+    """Whether sequence parallelism passes a recurrent mixer's state between ranks in ``block``
+    (:mod:`lightning_parallel.lasp`): such a block is verified in float64 through its own casts."""
+    return config.sp > 1 and not config.split and bool(recurrent_mixers(block))
+
+
 def _attempt(make: Any) -> Any:
     try:
         return make()
@@ -139,7 +145,7 @@ def first_verified(
         seen = proven is not None and any(m == mark for _, m in proven)  # a block like it was verified
         checked = (config.split or config.sp > 1) and config.adapter is None and not seen
         attending = attends(block, sample) if checked else True
-        chained = not config.split and bool(recurrent_mixers(block))  # sp passes their state (LASP)
+        chained = chains(block, config)
         if not attending and not chained:
             raise AnatomyError(
                 f"no anatomy of {type(block).__name__} serves {features(config)}: the block computes no attention (no"
@@ -159,7 +165,7 @@ def first_verified(
             if proven is not None and (source, mark) in proven and getattr(anatomy, "family_level", False):
                 return source, anatomy  # the family's code, verified on a block identical to this one
             try:
-                verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups)
+                verify(block, x, args, kwargs, build(anatomy), name=anatomy.name, groups=groups, through=chained)
             except ConfigurationError:
                 raise
             except Exception as err:  # noqa: BLE001  (the next source may serve this block)
@@ -265,7 +271,8 @@ def verified_split(
 
     groups = [m.get_group() for m in (config.tp_mesh, config.sp_mesh) if m is not None and m.size() > 1]
     source, anatomy = first_verified(block, sample, config, winner, build, groups, proven)
-    check = lambda b, x, a, kw: verify(b, x, a, kw, build(anatomy), name=anatomy.name, groups=groups)  # noqa: E731
+    check = lambda b, x, a, kw: verify(b, x, a, kw, build(anatomy), name=anatomy.name, groups=groups,  # noqa: E731
+                                       through=chains(block, config))  # fmt: skip
     verdicts = Verdicts(block, sample[1], sample[2], f"layer {index + 1} ({type(block).__name__})", index, check)
     tp, sp = (layouts.tp, layouts.sp) if layouts is not None else (None, None)
     return source, compose(anatomy, block, tp, sp, prefix), verdicts

@@ -134,27 +134,32 @@ def verify(
     *,
     name: str,
     groups: Sequence[Any] = (),
+    through: bool = False,
 ) -> None:
     """Check ``build`` against ``block``'s own forward; raise :class:`VerificationError` if they differ.
+    ``through``: both in float64 through the block's own casts (:mod:`lightning_parallel.anatomy.wide`: a
+    recurrent mixer's scan that sequence parallelism splits over ranks).
 
     ``build(copy)`` transforms a float64 copy of the block and returns ``(forward, gradients)``:
     ``forward(copy, x, args, kwargs)`` runs it, ``gradients(copy)`` returns its parameter gradients by name
     as one process would see them (a collective where the copy is sharded)."""
-    with torch.autocast(x.device.type, enabled=False), _reference(block, x, args, kwargs) as ran:
+    with torch.autocast(x.device.type, enabled=False), _reference(block, x, args, kwargs, through) as ran:
         _compare(block, build, name, groups, *ran)
 
 
 @contextmanager
-def _reference(block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Iterator[tuple]:
+def _reference(block: nn.Module, x: Tensor, args: tuple, kwargs: dict, through: bool = False) -> Iterator[tuple]:
     """The reference run, in the widest dtype the block's kernels take: float64; for a block whose attention is
     flash-attention, float64 through its semantics (:mod:`lightning_parallel.anatomy.flash`, open while the
     candidate runs too); else float32. Yields ``(reference, candidate, inputs, output, input gradient, probe)``."""
     from lightning_parallel.anatomy.flash import stand_in
+    from lightning_parallel.anatomy.wide import float64_through
 
     own = lambda m, xi, a, kw: type(m).forward(m, xi, *a, **kw)  # noqa: E731
     failure: RuntimeError | None = None
+    wide = float64_through if through else _nothing
     for dtype, swap in ((torch.float64, False), (torch.float64, True), (torch.float32, False)):
-        with stand_in(block) if swap else _nothing() as swapped:
+        with stand_in(block) if swap else _nothing() as swapped, wide() if dtype == torch.float64 else _nothing():
             if swap and not swapped:
                 continue
             probe = _LowPrecision()
