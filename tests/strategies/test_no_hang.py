@@ -107,14 +107,22 @@ def test_the_same_model_trains_where_the_trunk_stays_whole() -> None:
     assert run_cell("hf:t5_encoder", "hybrid").status == "parity"
 
 
-@pytest.mark.slow  # time: the coverage matrix's Falcon-H1 cells check the same refusal
-def test_a_recurrent_mixer_beside_attention_is_refused_by_sequence_parallelism() -> None:
+@pytest.mark.slow  # (time)
+def test_a_recurrent_mixer_beside_attention_is_refused_by_the_traced_graph_under_sequence_parallelism() -> None:
     """Falcon-H1 runs a Mamba-2 mixer beside attention in every layer; split over sp ranks its convolution saw
     only a rank's tokens, one rank's candidate raised while the other waited in Ulysses' all-to-all (a hang).
-    The traced graph names the convolution and the refusal comes on every rank."""
+    The traced graph names the convolution and the refusal comes on every rank. (The Hugging Face anatomy,
+    switched off here, chains the mixer's state between the ranks and trains it: test_families_2026.py.)"""
+    from lightning_parallel import HybridParallelStrategy
     from tests.helpers.coverage import run_cell
 
-    cell = run_cell("hf:falcon_h1", "ulysses")
+    def traced_only():
+        from lightning_parallel.anatomy import resolve
+
+        resolve.SOURCES = ("traced",)  # this rank only (forked)
+        return HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2)
+
+    cell = run_cell("hf:falcon_h1", "ulysses", traced_only)
     assert cell.status == "error", cell
     assert "no anatomy of FalconH1DecoderLayer serves sequence parallelism (ulysses" in cell.message
     assert "mixes tokens along the sequence outside its attention call (conv1d" in cell.message, cell
