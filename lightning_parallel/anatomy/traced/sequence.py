@@ -83,8 +83,8 @@ def sequence_parallel(program: Program, site: Site) -> Program:
         raise Unsupported(
             f"the block mixes tokens along the sequence outside its attention call ({names}: the convolution or scan"
             " of a recurrent mixer such as Mamba or a linear attention); split over ranks it would see only their"
-            " tokens, and passing its state between ranks (LASP) is not supported; train it under pipeline, helix"
-            " or tensor_parallel"
+            " tokens. Sequence parallelism passes such a mixer's state between ranks (LASP) only where it keeps it"
+            " in transformers' linear-attention cache; otherwise train it under pipeline, helix or tensor_parallel"
         )
     if site.sequence_factories:
         names = ", ".join(f"{n.name} ({n.target})" for n in site.sequence_factories[:3])
