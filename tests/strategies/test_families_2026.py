@@ -1,5 +1,6 @@
-"""Families of 2026 outside the coverage matrix (tests/strategies/test_coverage.py has Qwen3-MoE and Falcon-H1):
-what trains and what is refused, by name, on every rank (docs/guide.md, "Limitations").
+"""Families of 2026, beside the coverage matrix (tests/strategies/test_coverage.py has their rows but Qwen3-Next's):
+what makes each train, with the mutations that break it, and what is refused, by name, on every rank
+(docs/guide.md, "Limitations").
 
 - GPT-OSS: learned attention sinks (a logit per head in the softmax's denominator). Ulysses gives each rank its
   head group's sinks (the attention function reads them per head) and trains; tensor parallelism (its config has no
@@ -13,6 +14,8 @@ what trains and what is refused, by name, on every rank (docs/guide.md, "Limitat
   ran past the harness's timeout); sequence parallelism chains the mixer's state (LASP); pipeline and tensor
   parallelism train it.
 - Falcon-H1 under sequence parallelism: its Mamba-2 mixer's state chained between ranks (LASP).
+- Mixtures of experts under tensor parallelism (Llama 4, Qwen3-MoE, Mixtral, DeepSeek-V3): every expert's hidden
+  size sharded.
 """
 
 from __future__ import annotations
