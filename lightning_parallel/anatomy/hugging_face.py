@@ -129,19 +129,19 @@ def _attention(original: str) -> Any:
     return attention
 
 
-def _EXPERTS_PLAN(name: str) -> dict[str, str]:  # noqa: N802  (a table, written as a function of the module's name)
+def _experts_plan(name: str) -> dict[str, str]:
     """transformers 5's routed experts, ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)`` applied with
     ``F.linear``: every expert's hidden size sharded (gate|up rank-aligned), the partial output summed."""
     return {f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise", name: "experts_partial_output"}
 
 
 def _experts(block: nn.Module, hidden: int) -> list[str]:
-    """The block's modules holding exactly transformers 5's standard expert weights (see :func:`_EXPERTS_PLAN`);
+    """The block's modules holding exactly transformers 5's standard expert weights (see :func:`_experts_plan`);
     a layout of another kind (biases, interleaved gate and up, ``(E, H, 2I)``) is left replicated."""
     found = []
     for name, module in block.named_modules():
         params = dict(module.named_parameters(recurse=False))
-        if set(params) != {"gate_up_proj", "down_proj"} or any(True for _ in module.children() for _ in _.parameters()):
+        if set(params) != {"gate_up_proj", "down_proj"} or any(True for c in module.children() for _ in c.parameters()):
             continue
         gate_up, down = params["gate_up_proj"], params["down_proj"]
         if gate_up.dim() == down.dim() == 3 and gate_up.shape[2] == hidden == down.shape[1]:
@@ -363,7 +363,7 @@ class HuggingFaceAnatomy:
             raise Unsupported("no entry of its base_model_tp_plan names a module of the block")
         for name in _experts(block, self.hf_config.hidden_size):
             if not any(entry == name or entry.startswith(f"{name}.") for entry in out):
-                out.update(_EXPERTS_PLAN(name))
+                out.update(_experts_plan(name))
         return out
 
     def _route(self, block: nn.Module, config: Any) -> None:

@@ -56,7 +56,7 @@ def recognise(program: Any, param: Callable[..., Tensor]) -> Any:
     out, q, k, v, scale, biases, fills = found[0]
     hidden = next(n for n in graph.nodes if n.op == "placeholder" and n.name != "block")
     for term in (*biases, *fills):
-        if _reads(term, hidden) or any(n.op == "call_function" and n.target is param for n in _ancestors(term)):
+        if reads_values(term, hidden) or any(n.op == "call_function" and n.target is param for n in _upstream(term)):
             return program
     dtype = out.meta["val"].dtype
     with graph.inserting_before(out):
@@ -141,7 +141,8 @@ def _rank(node: Any) -> int:
     return value.dim() if isinstance(value, Tensor) else -1
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
+def _upstream(node: fx.Node, past_sizes: bool = True) -> set[fx.Node]:
+    """``node`` and every node it reads, through ``sym_size`` nodes' inputs only when ``past_sizes``."""
     seen: set[fx.Node] = set()
     stack = [node]
     while stack:
@@ -149,24 +150,15 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
+        if past_sizes or n.target is not aten.sym_size.int:
+            stack.extend(n.all_input_nodes)
     return seen
 
 
-def _reads(term: fx.Node, hidden: fx.Node) -> bool:
-    """Whether ``term`` reads the hidden state's values (its sizes, through ``sym_size``, are fine)."""
-    stack, seen = [term], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n is hidden:
-            return True
-        if n.op == "call_function" and n.target is aten.sym_size.int:
-            continue
-        stack.extend(n.all_input_nodes)
-    return False
+def reads_values(node: fx.Node, hidden: fx.Node) -> bool:
+    """Whether ``node`` reads the hidden state's values; its sizes (through ``sym_size``) every part of a cut
+    block can take from its own inputs (a bias over ``arange(T)``)."""
+    return hidden in _upstream(node, past_sizes=False)
 
 
 def _bias_value(node: fx.Node) -> Tensor:

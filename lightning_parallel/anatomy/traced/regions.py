@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_unflatten
 
 from lightning_parallel.anatomy.traced.analysis import Site, expr_of
 from lightning_parallel.anatomy.traced.labels import _ELEMENTWISE, _IDENTITY, projections
+from lightning_parallel.anatomy.traced.manual import reads_values
 from lightning_parallel.anatomy.traced.program import Program, _buffer, _param, retargeted_module
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
 from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported
@@ -237,7 +238,7 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     carried = [a for a in extra if a.op == "call_function" and a.target is _param]
     pre |= set(carried)
     extra = [a for a in extra if a not in carried]
-    if any(_reads_values(a, x) or deps[a] & {"param", "attention"} for a in extra):
+    if any(reads_values(a, x) or deps[a] & {"param", "attention"} for a in extra):
         raise Unsupported("its attention call reads a tensor computed from the hidden state or a parameter (a mask?)")
     post = {n for n in graph.nodes if n.op != "output" and deps.get(n) and n not in pre and n is not attention}
     post_params = {n.args[1] for n in post if n.op == "call_function" and n.target is _param}
@@ -250,21 +251,6 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     state = [n for n in state if isinstance(n.meta.get("val"), Tensor)]
     return {"pre": pre, "post": post, "state": state, "symbolic": symbolic, "x": x,
             "pre_parameters": pre_params, "carried": carried}  # fmt: skip
-
-
-def _reads_values(node: fx.Node, x: fx.Node) -> bool:
-    """Whether ``node`` reads the hidden state's values (its sizes, through ``sym_size``, every part can take from
-    its own inputs: a bias over ``arange(T)``)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n is x:
-            return True
-        if n in seen or (n.op == "call_function" and n.target is torch.ops.aten.sym_size.int):
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
