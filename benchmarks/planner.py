@@ -9,7 +9,7 @@ more step), and the planner predicts the same layouts from a profile alone: the 
 ``lightning_parallel.plan.profile`` at T/4, T/2 and T, and the link timed as ``measure_link`` times it. This
 machine's speed drifts by tens of per cent over seconds (a shared host), so the profile is taken in the
 same rounds as the runs it predicts: at the start of each round both ranks profile at once (as both cores
-are busy in a run) and time the link's receives (``_collectives.receive_time``, what ``measure_link``
+are busy in a run) and time the link's receives (``plan.links.receive_time``, what ``measure_link``
 fits), and the prediction uses every measurement's median over the rounds and the two ranks
 (``plan.combine``, ``link_from_times``). Printed: predicted and measured step time and their error, predicted
 and measured peak live MiB per stage (what a ``LiveTensorTracker`` opened at the step's start sees:
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipeline as bench  # noqa: E402  (benchmarks/pipeline.py: the model, the runners, the 2-process harness)
 
-from lightning_parallel import _collectives  # noqa: E402
 from lightning_parallel.plan import Layout, Problem, combine, predict, profile  # noqa: E402
 from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times  # noqa: E402
+from lightning_parallel.plan.links import receive_time  # noqa: E402
 
 SCHEDULES = {  # benchmark row -> the planner's layout (pp=2, no recomputation)
     "ours gpipe": ("gpipe", 1),
@@ -67,7 +67,7 @@ class _Profiled(bench.GPT):
 def _profile_round(profiles: list, links: list, model: _Profiled, data: tuple, lens: list[int], rep: int) -> None:
     if rep:  # round 0 warms up
         profiles.append(profile(model, data, lens, repeats=1))
-        links.append([_collectives.receive_time(1 - dist.get_rank(), n, 5) for n in LINK_SIZES])
+        links.append([receive_time(1 - dist.get_rank(), n, 5) for n in LINK_SIZES])
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:  # type: ignore[no-untyped-def]

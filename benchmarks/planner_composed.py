@@ -9,7 +9,7 @@ Each layout runs in its own set of spawned processes, trained by a real ``Traine
 GPT of ``benchmarks/pipeline.py``: H=128, 8 blocks, 4 heads, micro-batch = 1 sequence, SGD). In the same processes,
 before training, every rank profiles the model (``lightning_parallel.plan.profile`` at T/4, T/2 and T, all ranks at
 once, as all are busy in the run; the medians over the ranks, ``plan.combine``) and pairs of ranks time the link
-(``_collectives.receive_time``, the others computing meanwhile) and the all-reduce and all-gather
+(``plan.links.receive_time``, the others computing meanwhile) and the all-reduce and all-gather
 (``measure_collectives``), so the prediction sees the machine the run sees.
 Measured: the step time (from the batch's start to its end on every rank, the slowest rank; medians of the steps
 after the first) and the peak of the tensors a step allocates per rank (``LiveTensorTracker``: gradients,
@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipeline as bench  # noqa: E402  (the model, the batch, the process harness)
 
-from lightning_parallel import _collectives  # noqa: E402
 from lightning_parallel.plan import Layout, Problem, combine, predict, profile  # noqa: E402
 from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times, measure_collectives  # noqa: E402
+from lightning_parallel.plan.links import receive_time  # noqa: E402
 
 #: name -> (processes, strategy source, the planner's layout)
 LAYOUTS: dict[str, tuple[int, str, Layout]] = {
@@ -127,7 +127,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             profiles.append(profile(model, bench.batch(T, 1), [T // 4, T // 2, T], repeats=1))
         dist.barrier()
     peer = rank ^ 1  # pairs (0, 1), (2, 3): every rank busy while the link and the collectives are timed
-    link_times = [_collectives.receive_time(peer, n, 5) for n in LINK_SIZES]
+    link_times = [receive_time(peer, n, 5) for n in LINK_SIZES]
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
     collectives = measure_collectives(pairs[rank // 2])
     x, y = bench.batch(T, m)

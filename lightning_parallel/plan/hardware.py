@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_parallel import _collectives
+from lightning_parallel.plan import links
 from lightning_parallel.plan.costs import BlockCosts, Fit, HelixCosts, fit
 
 
@@ -85,9 +85,9 @@ LINK_SIZES = (256, 1 << 20, 1 << 22)  # bytes of the messages ``measure_link`` t
 def measure_link(peer: int, group: Any = None, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 10) -> Link:
     """The gloo link to ``peer`` (a global rank) as a pipeline's consumer meets it: how long a receive of a
     message of each size blocks once the send was posted, both processes computing
-    (``_collectives.receive_time``), fitted by :func:`link_from_times`. Both ranks call it, each naming the
+    (``links.receive_time``), fitted by :func:`link_from_times`. Both ranks call it, each naming the
     other."""
-    return link_from_times(sizes, [_collectives.receive_time(peer, n, repeats, group) for n in sizes])
+    return link_from_times(sizes, [links.receive_time(peer, n, repeats, group) for n in sizes])
 
 
 def link_from_times(sizes: Sequence[int], times: Sequence[float]) -> Link:
@@ -110,7 +110,7 @@ def measure_collectives(
     fitted with non-negative coefficients. Every rank of ``group`` calls it."""
     out = {}
     for field, kind, steps, share in (("collective", "all_reduce", 2, 1.0), ("gather", "all_gather", 1, 0.5)):
-        times = [_collectives.collective_time(kind, n, repeats, group) for n in sizes]
+        times = [links.collective_time(kind, n, repeats, group) for n in sizes]
         intercept, per_byte = (fit(list(sizes), times, 1).coef + [0.0])[:2]
         if per_byte <= 0:
             out[field] = (share * max(sizes) / max(times), 0.0)

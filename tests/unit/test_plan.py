@@ -172,15 +172,15 @@ def test_measure_link_times_the_runtimes_messages_between_two_ranks():
 
 
 def test_measure_link_fits_every_size_and_never_returns_an_absurd_bandwidth(monkeypatch):
-    from lightning_parallel import _collectives
+    from lightning_parallel.plan import links
     from lightning_parallel.plan.hardware import measure_link
 
     linear = {256: 4e-4 + 256 / 2e9, 1 << 20: 4e-4 + (1 << 20) / 2e9, 1 << 22: 4e-4 + (1 << 22) / 2e9}
-    monkeypatch.setattr(_collectives, "receive_time", lambda peer, n, repeats, group: linear[n])
+    monkeypatch.setattr(links, "receive_time", lambda peer, n, repeats, group: linear[n])
     link = measure_link(1)
     assert link.bandwidth == pytest.approx(2e9) and link.latency == pytest.approx(4e-4)
     noisy = {256: 3e-3, 1 << 20: 2e-3, 1 << 22: 2.5e-3}  # the large message faster than the small one
-    monkeypatch.setattr(_collectives, "receive_time", lambda peer, n, repeats, group: noisy[n])
+    monkeypatch.setattr(links, "receive_time", lambda peer, n, repeats, group: noisy[n])
     link = measure_link(1)
     assert link.bandwidth == pytest.approx((1 << 22) / 3e-3) and link.latency == 0.0
 
@@ -188,12 +188,12 @@ def test_measure_link_fits_every_size_and_never_returns_an_absurd_bandwidth(monk
 def test_measure_collectives_fits_the_all_reduce_and_the_all_gather_apart(monkeypatch):
     """gloo's all-gather moves fewer bytes per second than its all-reduce: the two are fitted apart, and a link
     carrying both prices the reduce-scatter and all-gather of full sharding by the all-gather's fit."""
-    from lightning_parallel import _collectives
+    from lightning_parallel.plan import links
     from lightning_parallel.plan.hardware import Link, measure_collectives
 
     truth = {"collective": Link(1e9, 2e-4), "gather": Link(2e8, 5e-4)}  # one ring step of each
     times = {"all_reduce": truth["collective"].all_reduce, "all_gather": truth["gather"].all_gather}
-    monkeypatch.setattr(_collectives, "collective_time", lambda kind, n, repeats, group: times[kind](n, 2))
+    monkeypatch.setattr(links, "collective_time", lambda kind, n, repeats, group: times[kind](n, 2))
     fits = measure_collectives(None)
     for name, link in truth.items():
         assert fits[name] == pytest.approx((link.bandwidth, link.latency))
