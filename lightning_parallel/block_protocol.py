@@ -1,8 +1,9 @@
 """The block-call protocol: how a block is called (its own forward, an argument by name or position), its split
-into pre-attention / attention / post-attention (HelixPipe, Zhang et al., arXiv 2507.00394, §2.1), the attention
-call's parameters, and the errors a source of anatomy or a configuration raises. The vocabulary every anatomy
-speaks; it imports nothing of this package, so the mechanics below the anatomy (tensor and sequence
-parallelism, recomputation) and the anatomy and block layer above them all use it.
+into pre-attention / attention / post-attention (HelixPipe, Zhang et al., arXiv 2507.00394, §2.1), the
+attention call's parameters (the errors a source of anatomy or a configuration raises are
+:mod:`lightning_parallel.errors`). The vocabulary every anatomy speaks; it imports nothing of this package, so
+the mechanics below the anatomy (tensor and sequence parallelism, recomputation) and the anatomy and block
+layer above them all use it.
 
 ``post(attention(pre(x)))`` must equal ``block(x)``:
 
@@ -26,19 +27,6 @@ from torch import Tensor, nn
 
 State = tuple[Tensor, ...]
 QKV = tuple[Tensor, Tensor, Tensor]
-
-
-class Unsupported(Exception):
-    """A source of anatomy cannot provide what this configuration needs; the message says why."""
-
-
-class ConfigurationError(ValueError):
-    """The configuration cannot run on this block whatever its anatomy (a sequence length or head count that
-    does not divide): raised as it is, never taken as a reason to try another source."""
-
-
-class AnatomyError(ValueError):
-    """No source of anatomy could serve a block: names the block, each source tried and why it failed."""
 
 
 @dataclass(frozen=True)

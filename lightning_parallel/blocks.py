@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_parallel.anatomy import resolve
 from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
-from lightning_parallel.block_protocol import ConfigurationError, OwnForward
+from lightning_parallel.block_protocol import OwnForward
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.recompute import Policy, Recomputed, resolve_op, validate
 from lightning_parallel.rng import tensor_parallel_rng
 from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, shard_dropout

@@ -37,6 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
+from lightning_parallel.errors import CheckpointError
 from lightning_parallel.flat_chunks import ChunkSavePlanner
 
 META_FILE = "lightning.pt"
@@ -45,10 +46,6 @@ _OURS = ("lp_format", "lp_group_names", "lp_group_hparams")
 #: each rank's default generator states, ``{"<global rank>": {"cpu": ..., "cuda": ...}}`` (lightning_parallel.rng),
 #: with ``lp_rng_world_size`` beside them: restored on resume under the same number of processes
 RNG = "lp_rng"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: partial, corrupt, or from another model."""
 
 
 # ------------------------------------------------------------------------------------- by name

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_parallel.checkpoint import CheckpointError, export
+from lightning_parallel.checkpoint import export
+from lightning_parallel.errors import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 
 CPU = torch.device("cpu")
 _IS_META = torch._C.TensorBase.__dict__["is_meta"]  # read by the nn.init functions that skip meta tensors

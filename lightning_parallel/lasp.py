@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 
 #: what a mixer's cache must answer (transformers 5's linear-attention cache, duck-typed)
 CACHE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 
 
 def chunk_mlp(owner: nn.Module, name: str, chunks: int, dim: int, block_name: str) -> None:

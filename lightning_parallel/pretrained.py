@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 
 
 def load_pretrained(module: nn.Module, path: str | os.PathLike, trainer: Optional[Any] = None) -> list[str]:

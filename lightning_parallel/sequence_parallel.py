@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import AttentionCall, ConfigurationError
+from lightning_parallel.block_protocol import AttentionCall
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.ring_attention import ring_attention
 from lightning_parallel.rng import forked
 from lightning_parallel.rng import has_dropout as _has_dropout

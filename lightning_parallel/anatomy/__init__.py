@@ -4,8 +4,8 @@ Hugging Face metadata, the block's own forward with the user's plan, or the bloc
 source is verified against the block's own forward and gradients before use (fail closed)."""
 
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, BlockAdapter, adapter_split, split_forward
-from lightning_parallel.anatomy.verify import VerificationError
-from lightning_parallel.block_protocol import AnatomyError, AttentionCall, Call, Split, Unsupported
+from lightning_parallel.block_protocol import AttentionCall, Call, Split
+from lightning_parallel.errors import AnatomyError, Unsupported, VerificationError
 
 __all__ = [
     "ADAPTERS",

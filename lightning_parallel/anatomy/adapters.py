@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from lightning_parallel.anatomy.llama import LlamaAdapter
 from lightning_parallel.anatomy.nanogpt import NanoGPTAdapter
 from lightning_parallel.anatomy.torch_encoder import TorchEncoderAdapter
-from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, Split, State, Unsupported, sdpa
+from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, Split, State, sdpa
+from lightning_parallel.errors import Unsupported
 
 
 class BlockAdapter(Protocol):

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_parallel.anatomy.hf_config import implementations_of
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 
 #: bfloat16 rounds each input to 2^-9 relative; through the scores and the weighted sum of ``v`` that stays far
 #: below this share of ``max|v|``, which any difference of semantics (another set of keys) exceeds

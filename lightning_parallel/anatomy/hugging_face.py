@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_parallel.anatomy.hf_config import PREFIX, configs_of
-from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported, argument
+from lightning_parallel.block_protocol import AttentionCall, Split, argument
+from lightning_parallel.errors import ConfigurationError, Unsupported
 
 STYLES = {  # base_model_tp_plan style -> this library's module style
     "colwise": "colwise",

@@ -8,7 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_parallel.block_protocol import Split, Unsupported
+from lightning_parallel.block_protocol import Split
+from lightning_parallel.errors import Unsupported
 
 
 class OwnAnatomy:

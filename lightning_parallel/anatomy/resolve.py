@@ -29,7 +29,7 @@ from lightning_parallel import watchdog
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
 from lightning_parallel.anatomy.attends import attends
 from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
-from lightning_parallel.block_protocol import AnatomyError, ConfigurationError, Unsupported
+from lightning_parallel.errors import AnatomyError, ConfigurationError, Unsupported
 from lightning_parallel.lasp import recurrent_mixers
 
 SOURCES = ("adapters", "hugging_face", "own_forward", "traced")

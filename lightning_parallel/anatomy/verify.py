@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from lightning_parallel import _collectives, watchdog
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError, VerificationError
 
 TOLERANCE = dict(rtol=1e-9, atol=1e-10)
 # a block that computes in float32 on its own (e.g. a norm that casts to float32) rounds at float32 precision
@@ -42,10 +42,6 @@ def _close(a: Tensor, b: Tensor, tolerance: dict) -> bool:
         scale = float(b.abs().max()) if b.numel() else 0.0
         return torch.allclose(a, b, rtol=tolerance["rtol"], atol=tolerance["atol"] * max(scale, 1e-30))
     return torch.allclose(a, b, **tolerance)
-
-
-class VerificationError(ValueError):
-    """A transformed block differs from the block's own forward (or another rank found that it does)."""
 
 
 def to64(value: Any) -> Any:

@@ -18,13 +18,14 @@ import torch
 from torch.utils._pytree import tree_map
 
 from lightning_parallel import checkpoint as _checkpoint
+from lightning_parallel.errors import CheckpointError
 
 
 def _wrap(original: Any) -> Any:
     def load(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
         if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
             if not _checkpoint.is_sharded(path_or_url):
-                raise _checkpoint.CheckpointError(
+                raise CheckpointError(
                     f"{os.fspath(path_or_url)!r} is a directory, not a complete lightning-parallel checkpoint (no"
                     f" {_checkpoint.META_FILE}); an interrupted save leaves '<path>.partial'. A complete one converts"
                     " to a single file with: python -m lightning_parallel.export <dir> <file.ckpt>"

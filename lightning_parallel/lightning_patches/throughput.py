@@ -1,9 +1,10 @@
-"""Lightning's ``ThroughputMonitor`` under model parallelism: its global samples, batches, items and FLOPs
-per second multiply one device's by ``trainer.world_size``, which counts every pipeline, tensor- and
-sequence-parallel rank as a replica (x2 at pp=2: every rank of a replica sees the same batch). Importing
-lightning-parallel wraps ``ThroughputMonitor.setup`` (a method of the class, so every instance, however
-imported) so that under these strategies its counters multiply by the number of data-parallel replicas;
-with one replica it reports, like one device, the device values only."""
+"""Lightning's ``ThroughputMonitor`` under model parallelism: its global samples, batches, items and FLOPs per
+second multiply one device's by ``trainer.world_size``, which counts every pipeline, tensor- and
+sequence-parallel rank as a replica (x2 at pp=2: every rank of a replica sees the same batch). A strategy of
+this package, as it sets up its processes (before the callbacks' ``setup``), wraps ``ThroughputMonitor.setup``
+(a method of the class, so every instance, however imported) so that under these strategies its counters
+multiply by the number of data-parallel replicas; with one replica it reports, like one device, the device
+values only."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError, TrunkCallError
 from lightning_parallel.trunk import Trunk
 
 BlockArgs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -41,10 +41,6 @@ NONE_RETURNED = (
     " of a batch through one schedule and cannot skip one of them; leave the batch out in the data (or return the"
     " loss times 0 to train on nothing)"
 )
-
-
-class TrunkCallError(RuntimeError):
-    """The step does not call the trunk the way pipelining needs (once, in order, hidden state chained)."""
 
 
 class NotCarried:

@@ -35,8 +35,9 @@ from torch import Tensor
 
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.resolve import verified_split
-from lightning_parallel.block_protocol import AnatomyError, Split
+from lightning_parallel.block_protocol import Split
 from lightning_parallel.blocks import BlockConfig, apply_recompute
+from lightning_parallel.errors import AnatomyError
 from lightning_parallel.memory import kept_at_width, kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,

@@ -17,11 +17,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP
 from lightning_parallel.strategies import _sharding
-from lightning_parallel.strategies._full_shard import fully_shard_model, is_fully_sharded
+from lightning_parallel.strategies._full_shard import fully_shard_model
 from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
@@ -58,29 +58,10 @@ class DataParallelShardingMixin:
     dp_group: Any
     root_device: torch.device
 
-    def _average_over_dp(self, optimizer: Optimizer, group: Any, overlapped: bool) -> None:
-        """The dp average of this optimizer's gradients: reduce-scattered chunks (``"optimizer"``), what FSDP
-        does not hold (``"full"``: FSDP2 averaged its shards during the backward), or every gradient the
-        backward's buckets did not average (``overlapped``: :meth:`_finish_buckets` did)."""
-        if self._sharded:
-            self._reduced[id(optimizer)] = self._shards_of(optimizer).reduce_scatter_gradients_()
-        elif self._fully_sharded:
-            _average_whole([p for g in optimizer.param_groups for p in g["params"] if not is_fully_sharded(p)], group)
-        else:
-            done = self._buckets.bucket_of if overlapped and self._buckets is not None else {}
-            _average_whole([p for g in optimizer.param_groups for p in g["params"] if id(p) not in done], group)
-
     def _prepare_buckets(self, loss: torch.Tensor) -> None:
         """Before the step's backward: the buckets learn which parameters its graph reaches."""
         if self._buckets is not None and overlappable(self):
             self._buckets.prepare(loss)
-
-    def _finish_buckets(self, optimizer: Optimizer) -> bool:
-        """First in a step's gradient sync: wait for the buckets the backward issued and put their dp means in place
-        (tensor-, sequence- and pipeline-parallel sums of the same gradients commute with the mean and follow).
-        Returns whether the buckets' parameters are averaged."""
-        buckets = self._gradient_buckets(optimizer)
-        return buckets is not None and buckets.finish()
 
     def _gradient_units(self, params: list[torch.nn.Parameter]) -> tuple[list[list[torch.nn.Parameter]], list[int]]:
         """The parameters the buckets serve, in units whose gradients are final together, and the units' keys:
@@ -252,27 +233,6 @@ class DataParallelShardingMixin:
         return self._shards[id(optimizer)]
 
     @override
-    def _norm_groups(self) -> list[Any]:
-        # inside a sharded step's window each rank holds its chunk of every gradient: the norm sums over dp too
-        in_window = any(shards.open for shards in self._shards.values()) or self._fully_sharded
-        return [*super()._norm_groups(), *([self.dp_group] if in_window else [])]
-
-    @override
-    def _counts_in_norm(self, p: torch.nn.Parameter) -> bool:
-        # inside a sharded window the norm sums over dp: a 0-dim parameter, whole on every rank, counts once
-        if self.coordinate[DP] != 0 and any(s.open and s.is_whole(p) for s in self._shards.values()):
-            return False
-        if self._fully_sharded and not is_fully_sharded(p) and self.coordinate[DP] != 0:
-            return False  # FSDP's shards count on every dp rank, what it does not hold on dp rank 0
-        return super()._counts_in_norm(p)
-
-    @override
-    def _original(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
-        for shards in self._shards.values():
-            p = shards.original(p)
-        return p
-
-    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._sharded:
             return super().optimizer_state(optimizer)
@@ -290,14 +250,3 @@ class DataParallelShardingMixin:
             return super().optimizer_state(optimizer)
         finally:
             inner.state = chunks
-
-
-def _average_whole(params: list[torch.nn.Parameter], group: Any) -> None:
-    """The dp mean of the gradients of ``params`` in one all-reduce after the backward. Which of them any replica
-    has a gradient for is agreed first (a replica without one adds zeros), so every rank reduces the same
-    tensors; one that no replica has stays ``None``."""
-    used = _collectives.any_over_group([p.grad is not None for p in params], group)
-    for p, u in zip(params, used):
-        if u and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    _collectives.all_reduce_mean_([local(p.grad) for p, u in zip(params, used) if u], group)

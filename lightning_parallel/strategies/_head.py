@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from torch import nn
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.chunked_loss import lazy_heads
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.trunk import vocabulary_modules
 
 

@@ -22,8 +22,8 @@ from typing import Any, Optional
 import torch
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.blocks import BlockConfig
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.init_replay import InitTape
 from lightning_parallel.materialize import _direct, check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP

@@ -26,8 +26,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_parallel import _collectives, watchdog
-from lightning_parallel.mesh import AXES, DP, PP, ParallelDims
+from lightning_parallel import _collectives, lightning_patches, watchdog
+from lightning_parallel.mesh import AXES, DP, PP, SP, TP, ParallelDims
 from lightning_parallel.strategies import _failures
 from lightning_parallel.strategies._full_shard import check_full
 
@@ -84,6 +84,14 @@ class ProcessesMixin:
     @property
     def pp_group(self) -> Optional[dist.ProcessGroup]:
         return self._mesh.get_group(PP) if self._mesh is not None else None
+
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        return self._mesh.get_group(TP) if self._mesh is not None else None
+
+    @property
+    def sp_group(self) -> Optional[dist.ProcessGroup]:
+        return self._mesh.get_group(SP) if self._mesh is not None else None
 
     @property
     def pp_lanes(self) -> _collectives.Lanes:
@@ -150,6 +158,7 @@ class ProcessesMixin:
 
     @override
     def setup_environment(self) -> None:
+        lightning_patches.install()  # before Lightning calls the callbacks' setup (ThroughputMonitor's)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

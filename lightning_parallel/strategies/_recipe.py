@@ -21,8 +21,8 @@ from typing_extensions import override
 from lightning_parallel import _collectives
 from lightning_parallel import partial as _partial
 from lightning_parallel.anatomy.families import prepare_model
-from lightning_parallel.block_protocol import ConfigurationError
 from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.init_replay import InitTape, generator
 from lightning_parallel.materialize import check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP

@@ -44,7 +44,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.mesh import DP, PP
-from lightning_parallel.pipeline import gradients, outer
+from lightning_parallel.pipeline import outer
+from lightning_parallel.strategies import gradients
 from lightning_parallel.strategies._logging import LogRecorder, recording, restore_metrics, snapshot_metrics
 
 
@@ -282,12 +283,15 @@ class StageLocalMixin:
             _install(lm, s.names, s.shard)
         self._freed_outer, self._outer_state, self._outer_ids = [], "rest", None
 
-    def _sum_outer_gradients(self, params: list[nn.Parameter]) -> None:
-        """The gradients of the pre/post-trunk parameters: the sharded ones reduce-scattered onto their shards,
-        the whole ones (every stage holds them) summed over the pipeline group."""
-        self._reduce_outer_gradients()
-        sharded = {id(s.shard) for s in self._sharded_outer}
-        gradients.sum_replicated_([p for p in params if id(p) not in sharded], self.pp_group)  # type: ignore[attr-defined]
+    def _outer_gradients(self) -> gradients.OuterGradients:
+        """The pre/post-trunk parameters for the gradient recipe (step 2 of the module docstring; the whole ones
+        summed over the pipeline group)."""
+
+        def whole() -> list[nn.Parameter]:
+            sharded = {id(s.shard) for s in self._sharded_outer}
+            return [p for p in self._replicated if id(p) not in sharded]  # type: ignore[attr-defined]
+
+        return gradients.OuterGradients(whole, self._reduce_outer_gradients, self._counts_outer_here)
 
     def _outer_names(self) -> dict[int, str]:
         """id -> name of the pre/post-trunk parameters as the module holds them now (cached until they change)."""

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel import _collectives, rng
 from lightning_parallel import checkpoint as _checkpoint
+from lightning_parallel.errors import CheckpointError
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
 
@@ -102,7 +103,7 @@ class StateMixin:
                 error = f"writing the consolidated checkpoint {path!r} failed: {type(err).__name__}: {err}"
         error = _collectives.broadcast_object(error, 0, None)
         if error is not None:
-            raise _checkpoint.CheckpointError(error)
+            raise CheckpointError(error)
 
     # ------------------------------------------------------------------------------- load
     @property
@@ -169,7 +170,7 @@ class StateMixin:
         lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]  # type: ignore[attr-defined]
         optimizers = self.optimizers  # type: ignore[attr-defined]
         if len(saved_states) != len(optimizers):
-            raise _checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"the checkpoint holds {len(saved_states)} optimizer state(s), configure_optimizers returned"
                 f" {len(optimizers)}"
             )

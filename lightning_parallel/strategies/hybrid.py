@@ -42,11 +42,11 @@ from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockLayer
 from lightning_parallel.init_replay import InitTape
-from lightning_parallel.mesh import DP, SP, TP, ParallelDims, Size, check_size
+from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES
-from lightning_parallel.strategies import _failures, _sharding
+from lightning_parallel.strategies import _failures, _sharding, gradients
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper, TokenMeanLogs, recording
@@ -55,10 +55,8 @@ from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, Gradie
 from lightning_parallel.strategies._pending import PendingBlocksMixin
 from lightning_parallel.strategies._processes import ProcessesMixin
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
-from lightning_parallel.strategies._sequence import SequenceParallelMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
 from lightning_parallel.strategies._state import StateMixin
-from lightning_parallel.strategies._tensor import TensorParallelMixin
 from lightning_parallel.token_mean import CrossEntropyCalls, global_means, say_samples_once
 from lightning_parallel.trunk import discover_trunk, materialised_to
 
@@ -79,8 +77,6 @@ class HybridParallelStrategy(
     PendingBlocksMixin,
     DataParallelShardingMixin,
     StateMixin,
-    TensorParallelMixin,
-    SequenceParallelMixin,
     SetupRecipeMixin,
     ProcessesMixin,
     ParallelStrategy,
@@ -222,6 +218,8 @@ class HybridParallelStrategy(
         self._bucket_cap_mb = bucket_cap_mb
         self._buckets: Optional[GradientBuckets] = None
         self._token_scale: Optional[Tensor] = None  # this replica's share of a token-mean step (token_mean.py)
+        self._grad_scale: Optional[float] = None  # the pipeline's token-mean factor, applied after the buckets' means
+        self._gradient_plan: Optional[gradients.GradientPlan] = None  # built at set-up
         self._save_distributed = save_distributed_checkpoint
         self._vocabulary_parallel = vocabulary_parallel
         check_sharding(data_parallel_sharding)
@@ -305,8 +303,24 @@ class HybridParallelStrategy(
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             self.states_to_device()  # Lightning's _optimizers_to_device, not for the blocks kept on the host
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+        plan = self._gradient_plan = self._plan_gradients()
+        # Lightning's clipping asks the precision plugin, which would see this rank's part of the model only
+        self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
+            lambda opt, clip_val: gradients.clip_norm_(opt, clip_val, plan, self._shards)
+        )
+        self.precision_plugin.clip_grad_by_value = gradients.clip_value_  # type: ignore[method-assign]
+
+    def _plan_gradients(self) -> gradients.GradientPlan:
+        """What :mod:`lightning_parallel.strategies.gradients` reduces over on this rank."""
+        dims = self.parallel_dims
+        groups = {DP: self.dp_group, PP: self.pp_group, SP: self.sp_group, TP: self.tp_group}
+        mode = self._dp_sharding if dims.dp > 1 and self._dp_sharding in ("optimizer", "full") else "replicate"
+        layouts = self._blocks.layouts if self._blocks is not None else None
+        return gradients.GradientPlan(dims, self.coordinate, groups, mode, layouts, self._outer_gradients())
+
+    def _outer_gradients(self) -> Optional[gradients.OuterGradients]:
+        """The pre/post-trunk parameters the pipeline strategies hold per stage (none here)."""
+        return None
 
     # ---------------------------------------------------------------- training
     @override
@@ -426,17 +440,32 @@ class HybridParallelStrategy(
             return super().optimizer_step(optimizer, closure_then_window, model, **kwargs)
 
     def sync_gradients(self, optimizer: Optimizer) -> None:
-        """This optimizer's gradients as one device's: the dp means the backward's buckets took, then the tensor-
-        and sequence-parallel sums, then the dp average of the rest (tensor-parallel shards: their local parts)."""
-        self._reduce_gradients(optimizer, self._finish_buckets(optimizer))
+        """This optimizer's gradients as one device's (:func:`lightning_parallel.strategies.gradients.sync_`)."""
+        scale, self._grad_scale = self._grad_scale, None
+        step = gradients.StepGradients(
+            self._gradient_buckets(optimizer),
+            self._shards_of(optimizer) if self._sharded else None,
+            scale,
+            self.lightning_module,
+        )
+        reduced = gradients.sync_(optimizer, self._gradient_plan, step)
+        if reduced is not None:
+            self._reduced[id(optimizer)] = reduced
 
-    def _reduce_gradients(self, optimizer: Optimizer, overlapped: bool) -> None:
-        self._materialize_gradients(optimizer)
-        self._sum_sequence_gradients(optimizer)
-        group, dp = self.dp_group, self.parallel_dims.dp
-        if group is None or dp == 1:
-            return
-        self._average_over_dp(optimizer, group, overlapped)
+    def grad_norm(self, norm_type: Union[float, str] = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
+        """Lightning's ``grad_norm(module, norm_type)`` for the whole model, not this rank's part: each
+        parameter's gradient norm under its original name (tensor-parallel shards combined, the other
+        pipeline stages' parameters included, replicated ones counted once) and the total, the same dict on
+        every rank. A collective: call it on every rank, e.g.
+        ``self.log_dict(self.trainer.strategy.grad_norm(2))`` in ``on_before_optimizer_step``. Not inside a
+        sharded data-parallel step (the gradients are chunks there)."""
+        if any(shards.open for shards in self._shards.values()) or self._fully_sharded:
+            raise RuntimeError(
+                f"grad_norm() under data_parallel_sharding={self._dp_sharding!r} is not supported: in"
+                " on_before_optimizer_step each rank holds only its chunk of every gradient"
+            )
+        assert self.lightning_module is not None and self._gradient_plan is not None
+        return gradients.norms(self._gradient_plan, self.lightning_module, norm_type, group_separator)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

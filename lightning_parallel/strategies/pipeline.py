@@ -37,7 +37,7 @@ from lightning_parallel import partial as _partial
 from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import PP, Size, check_size
-from lightning_parallel.pipeline import gradients, outer
+from lightning_parallel.pipeline import outer
 from lightning_parallel.pipeline.capture import loss_of
 from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
 from lightning_parallel.pipeline.placement import place_blocks
@@ -51,7 +51,7 @@ from lightning_parallel.pipeline.schedules import (
     placement_style,
     simulate,
 )
-from lightning_parallel.strategies import _failures
+from lightning_parallel.strategies import _failures, gradients
 from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
@@ -65,7 +65,6 @@ from lightning_parallel.strategies._overlap import GradientBuckets, overlappable
 from lightning_parallel.strategies._processes import SIGTERM_EXIT_CODE
 from lightning_parallel.strategies._stage_local import StageLocalMixin
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
-from lightning_parallel.tensor_parallel import local
 from lightning_parallel.token_mean import CrossEntropyCalls, TokenWeights, global_means, say_samples_once
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
@@ -130,7 +129,6 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         self._loss_reduction, self._check_batches = loss_reduction, check_batches
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
-        self._grad_scale: Optional[float] = None  # a token-mean step's factor, applied after its buckets' means
         self._replicated_names: set[str] = set()
         self._init_stage_local()
         self._steps_done = 0
@@ -439,27 +437,6 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
         self.post_backward(closure_loss)
         return closure_loss
-
-    @override
-    def sync_gradients(self, optimizer: Optimizer) -> None:
-        """The dp means the schedule's buckets took (and the step's token-mean factor), then the replicated
-        (pre/post-trunk) gradients summed over the pipeline group, then the rest as the base strategy's."""
-        overlapped = self._finish_buckets(optimizer)
-        scale, self._grad_scale = self._grad_scale, None
-        if scale is not None:  # the step's gradients, as the module holds them (pre/post-trunk shards gathered)
-            for p in self.lightning_module.parameters():
-                if p.grad is not None:
-                    local(p.grad).mul_(scale)
-        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self._place_gradients(optimizer)  # a vocabulary-parallel gradient may still be a partial sum here
-        self._sum_outer_gradients([p for p in self._replicated if id(p) in in_opt])
-        self._reduce_gradients(optimizer, overlapped)
-
-    @override
-    def _counts_in_norm(self, p: nn.Parameter) -> bool:
-        """A pre/post-trunk parameter is counted on the first stage that holds it."""
-        here = self._counts_outer_here(p)
-        return super()._counts_in_norm(p) and (here is None or here)
 
     # ----------------------------------------------------------------------------- evaluation
     @override

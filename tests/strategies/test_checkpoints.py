@@ -14,7 +14,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, _collectives
-from lightning_parallel.checkpoint import CheckpointError, load_sharded
+from lightning_parallel.checkpoint import load_sharded
+from lightning_parallel.errors import CheckpointError
 from tests.helpers.distributed import RankFailed, run_distributed
 from tests.helpers.parity import TOLERANCES, Recorder, _OneReplicaSampler, build
 

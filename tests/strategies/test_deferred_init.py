@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.materialize import check_set, initialize_, materialize_
 from tests.helpers.distributed import RankFailed, run_distributed
 from tests.helpers.parity import assert_parity

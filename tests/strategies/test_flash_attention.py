@@ -124,7 +124,7 @@ def test_the_stand_in_matches_flash_semantics_and_a_function_of_other_semantics_
     import transformers
 
     from lightning_parallel.anatomy.flash import CROSS_CHECK, reference_attention, stand_in
-    from lightning_parallel.block_protocol import ConfigurationError
+    from lightning_parallel.errors import ConfigurationError
     from tests.helpers.zoo import hf_config
 
     _register()

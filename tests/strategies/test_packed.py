@@ -188,7 +188,7 @@ def test_flash_attention_documents_are_refused_under_ring_attention():
     import transformers
 
     from lightning_parallel.anatomy.hugging_face import HuggingFaceAnatomy
-    from lightning_parallel.block_protocol import ConfigurationError
+    from lightning_parallel.errors import ConfigurationError
 
     config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)
     block = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy, load_pretrained
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import DeferredHFCausalLM
 from tests.helpers.parity import build

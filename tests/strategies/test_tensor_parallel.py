@@ -99,7 +99,7 @@ def test_an_embedding_with_padding_idx_stays_whole():
 
 
 def _direct_head(rank, world_size, **kwargs):
-    from lightning_parallel.block_protocol import ConfigurationError
+    from lightning_parallel.errors import ConfigurationError
 
     module, data = build("gpt-direct-head", 8, "sgd")
     try:

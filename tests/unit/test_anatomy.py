@@ -8,10 +8,11 @@ from torch import nn
 
 from examples.models.gpt import Block
 from examples.models.llama import DecoderLayer, rope_tables
-from lightning_parallel.anatomy import AnatomyError, VerificationError, adapter_split
+from lightning_parallel.anatomy import adapter_split
 from lightning_parallel.anatomy.adapters import matching_adapters, named_adapter
 from lightning_parallel.anatomy.verify import verify_split
 from lightning_parallel.blocks import BlockConfig, parallelize
+from lightning_parallel.errors import AnatomyError, VerificationError
 
 
 def _cases():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.block_protocol import ConfigurationError
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.init_replay import InitTape
 
 CPU = torch.device("cpu")

@@ -89,6 +89,56 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+#: the package's floors, bottom-up: a module imports only from its own floor or one below (a top-level module or
+#: folder of ``lightning_parallel`` is listed once; a new one must be placed here)
+FLOORS: list[tuple[str, set[str]]] = [
+    ("wire and mesh", {"errors", "_collectives", "mesh", "watchdog", "rng", "memory"}),
+    ("tensors and files", {"block_protocol", "trunk", "partial", "flat_chunks", "offload", "packing", "token_mean",
+                           "chunked_loss", "init_replay", "checkpoint", "export"}),
+    ("parallel mechanics", {"ring_attention", "sequence_parallel", "tensor_parallel", "mlp_chunks", "lasp",
+                            "recompute"}),
+    ("anatomy", {"anatomy", "materialize"}),
+    ("block layer", {"blocks"}),
+    ("runtimes", {"pipeline"}),
+    ("Lightning strategies", {"strategies", "lightning_patches"}),
+    ("surface", {"callbacks", "plan", "pretrained", "__init__"}),
+]  # fmt: skip
+
+
+def _floor(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward(edges: dict[str, set[str]], floors: list[tuple[str, set[str]]]) -> list[str]:
+    """Every import of a module on a higher floor than the importer's, as ``a (floor) -> b (floor)``."""
+    level = {name: i for i, (_, names) in enumerate(floors) for name in names}
+    return [
+        f"{m} ({floors[level[_floor(m)]][0]}) -> {t} ({floors[level[_floor(t)]][0]})"
+        for m, targets in sorted(edges.items())
+        for t in sorted(targets)
+        if level[_floor(t)] > level[_floor(m)]
+    ]
+
+
+def test_every_module_imports_only_from_its_floor_or_below():
+    """The layers of docs/design.md ("The layers"): core never imports the strategies, the callbacks or the
+    planner; each top-level module and folder sits on exactly one floor."""
+    edges = _package_imports()
+    listed = [name for _, names in FLOORS for name in names]
+    assert len(listed) == len(set(listed)), "a name is on two floors"
+    unplaced = sorted({_floor(m) for m in edges} - set(listed))
+    assert not unplaced, f"place these in FLOORS: {unplaced}"
+    up = _upward(edges, FLOORS)
+    assert not up, "\n".join(up)
+
+
+def test_the_floor_check_finds_an_upward_import():
+    floors = [("low", {"a"}), ("high", {"b"})]
+    edges = {"lightning_parallel.a.x": {"lightning_parallel.b"}, "lightning_parallel.b": {"lightning_parallel.a.x"}}
+    assert _upward(edges, floors) == ["lightning_parallel.a.x (low) -> lightning_parallel.b (high)"]
+
+
 def test_the_package_imports_form_no_circle():
     """The layers read bottom-up (collectives, mesh, trunk, the block-call protocol and the parallel mechanics,
     anatomy, block layer, runtimes, strategies): no module imports, even inside a function, one that imports it

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_parallel.anatomy.traced import program as traced_program
 from lightning_parallel.anatomy.traced.analysis import SDPA, analyse, attention_nodes
 from lightning_parallel.anatomy.traced.manual import attention_bias
-from lightning_parallel.block_protocol import Unsupported
+from lightning_parallel.errors import Unsupported
 from tests.helpers.zoo import ALiBiBlock
 
 

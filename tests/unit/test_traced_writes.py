@@ -12,7 +12,7 @@ from torch import nn
 from lightning_parallel.anatomy.traced import program as traced_program
 from lightning_parallel.anatomy.traced.analysis import analyse
 from lightning_parallel.anatomy.traced.regions import split
-from lightning_parallel.block_protocol import Unsupported
+from lightning_parallel.errors import Unsupported
 
 
 class _WrittenKeys(nn.Module):

@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_parallel.anatomy.traced.analysis import Site, analyse
 from lightning_parallel.anatomy.traced.program import Program, trace
-from lightning_parallel.block_protocol import Split, Unsupported
+from lightning_parallel.block_protocol import Split
+from lightning_parallel.errors import Unsupported
 
 
 def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any) -> TracedAnatomy:

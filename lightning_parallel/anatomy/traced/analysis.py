@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from lightning_parallel.anatomy.traced.program import Program
-from lightning_parallel.block_protocol import Unsupported
+from lightning_parallel.errors import Unsupported
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

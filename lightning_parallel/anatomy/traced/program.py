@@ -31,7 +31,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_parallel.anatomy.traced.manual import recognise
-from lightning_parallel.block_protocol import Unsupported
+from lightning_parallel.errors import Unsupported
 
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {name: (owning module, attribute)}
 

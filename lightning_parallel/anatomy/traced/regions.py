@@ -32,7 +32,8 @@ from lightning_parallel.anatomy.traced.labels import _ELEMENTWISE, _IDENTITY, pr
 from lightning_parallel.anatomy.traced.manual import reads_values
 from lightning_parallel.anatomy.traced.program import Program, _buffer, _param, retargeted_module
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
-from lightning_parallel.block_protocol import AttentionCall, ConfigurationError, Split, Unsupported
+from lightning_parallel.block_protocol import AttentionCall, Split
+from lightning_parallel.errors import ConfigurationError, Unsupported
 
 _DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
 # taking parts of a fused MLP input (gate | up) along its features: still token-wise

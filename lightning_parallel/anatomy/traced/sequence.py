@@ -15,7 +15,8 @@ from torch import Tensor, fx
 from lightning_parallel.anatomy.traced.analysis import SDPA, Site, expr_of
 from lightning_parallel.anatomy.traced.program import Program
 from lightning_parallel.anatomy.traced.rewrite import rewrite
-from lightning_parallel.block_protocol import AttentionCall, Unsupported
+from lightning_parallel.block_protocol import AttentionCall
+from lightning_parallel.errors import Unsupported
 
 aten = torch.ops.aten
 

@@ -50,7 +50,7 @@ from lightning_parallel.anatomy.traced.labels import (
 )
 from lightning_parallel.anatomy.traced.program import Program, _param
 from lightning_parallel.anatomy.traced.rewrite import rewrite
-from lightning_parallel.block_protocol import ConfigurationError, Unsupported
+from lightning_parallel.errors import ConfigurationError, Unsupported
 
 aten = torch.ops.aten
 
