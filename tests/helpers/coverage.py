@@ -41,7 +41,7 @@ COLUMN_TITLES = {
     "full_tp": "hybrid dp=2 x tp=2, data_parallel_sharding='full'",
 }
 # the library's own errors: a cell that fails must end with one of these, never an internal traceback
-CLEAR = re.compile(r"lightning_parallel\.block_protocol\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
+CLEAR = re.compile(r"lightning_parallel\.errors\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
 
 
 @dataclass
