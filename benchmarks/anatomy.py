@@ -44,6 +44,7 @@ from lightning_parallel.anatomy.traced import anatomy_of  # noqa: E402
 from lightning_parallel.blocks import BlockConfig, parallelize  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix  # noqa: E402
+from lightning_parallel.pipeline.runtime import PlainSteps  # noqa: E402
 from lightning_parallel.trunk import discover_trunk  # noqa: E402
 
 TRACED = ("traced",)
@@ -103,7 +104,7 @@ class Helix:
 
     def step(self) -> None:
         steps = [lambda mb=mb: self.model._loss(mb) for mb in self.micro]
-        self.runtime.run(self.actions, steps, lambda out: out, [1.0 / self.m] * self.m)
+        self.runtime.run(self.actions, PlainSteps(steps), lambda out: out, [1.0 / self.m] * self.m)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 

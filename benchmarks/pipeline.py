@@ -65,7 +65,7 @@ from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # noqa: E402
 from lightning_parallel.pipeline.placement import place_blocks  # noqa: E402
-from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
+from lightning_parallel.pipeline.runtime import PipelineRuntime, PlainSteps  # noqa: E402
 from lightning_parallel.pipeline.schedules import build_schedule, chunk_stages, placement_style, simulate  # noqa: E402
 from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_bytes  # noqa: E402
 
@@ -134,7 +134,7 @@ class Ours:
 
     def step(self, rank: int) -> dict:
         steps = [lambda mb=mb: self.model._loss(mb) for mb in self.micro]
-        self.runtime.run(self.actions, steps, lambda out: out, [1.0 / self.m] * self.m)
+        self.runtime.run(self.actions, PlainSteps(steps), lambda out: out, [1.0 / self.m] * self.m)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return {"events": list(self.runtime.timeline), "params": parameter_bytes(self.model)}

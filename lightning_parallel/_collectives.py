@@ -198,12 +198,6 @@ def isend(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> tuple[dist
     return dist.isend(data, dst, group=group, tag=2 * tag + 1), data
 
 
-def recv_into(out: Tensor, src: int, tag: int, group: ProcessGroup) -> Tensor:
-    """Receive into ``out`` (contiguous; gloo rejects anything else) a tensor sent by ``isend``."""
-    dist.irecv(out, src, group=group, tag=2 * tag + 1).wait()
-    return out
-
-
 def isend_timed(tensor: Tensor, dst: int, tag: int, group: ProcessGroup) -> list[tuple[dist.Work, Tensor]]:
     """``isend`` preceded by the producer's wall time (one float64), for the timeline's bubble analysis."""
     stamp = _on([time.time()], torch.float64, tensor.device)

@@ -37,10 +37,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_parallel.anatomy import resolve
 from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
 from lightning_parallel.block_protocol import OwnForward
-from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.errors import ConfigurationError, Unsupported
 from lightning_parallel.recompute import Policy, Recomputed, resolve_op, validate
-from lightning_parallel.rng import tensor_parallel_rng
-from lightning_parallel.sequence_parallel import SequenceParallelLayout, SequenceShard, check_heads, shard_dropout
+from lightning_parallel.rng import tensor_parallel_rng, tensor_parallel_split
+from lightning_parallel.sequence_parallel import (
+    SequenceParallelLayout,
+    SequenceShard,
+    SplitOverSequence,
+    check_heads,
+    shard_dropout,
+)
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
 Forward = Callable[..., Any]  # (block, x, args, kwargs, shard) -> output
@@ -88,7 +94,7 @@ class BlockConfig:
 
     @property
     def needs_anatomy(self) -> bool:
-        return self.tp > 1 or self.sp > 1 or self.mlp_chunks > 1
+        return self.split or self.tp > 1 or self.sp > 1 or self.mlp_chunks > 1
 
     @property
     def communicates(self) -> bool:
@@ -223,8 +229,11 @@ def _map_first(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 def compose(block: nn.Module, index: int, anatomy: Any, config: BlockConfig, layouts: Layouts,
             prefix: str = "") -> Callable[[nn.Module, Tensor, tuple, dict], Any]:  # fmt: skip
     """Apply ``config`` to ``block`` (in place: parameters sharded, MLP chunked) and return its forward
-    ``(block, x, args, kwargs)``, in the order of the module docstring. ``anatomy`` is ``None`` when no
-    feature needs one (recomputation alone)."""
+    ``(block, x, args, kwargs)``, in the order of the module docstring; under HelixPipe (``config.split``) the
+    block's :class:`~lightning_parallel.block_protocol.Split`, which is also such a forward. ``anatomy`` is
+    ``None`` when no feature needs one (recomputation alone)."""
+    if config.split:
+        return _split(block, anatomy, config, layouts, prefix)
     if anatomy is None:
         inner: Forward = OwnForward()
     else:  # steps 1 and 2, in the anatomy's own way
@@ -258,6 +267,28 @@ def compose(block: nn.Module, index: int, anatomy: Any, config: BlockConfig, lay
     elif config.offload:
         stack = _SavedToHost(stack)
     return stack
+
+
+def _split(block: nn.Module, anatomy: Any, config: BlockConfig, layouts: Layouts, prefix: str) -> Any:
+    """HelixPipe (Zhang et al., arXiv 2507.00394, §2.1): ``block`` cut at its attention call, the parts run by the
+    helix runtime. Step 1 happens inside the anatomy's split (the block sharded, the parts on this rank's heads,
+    their dropout from the tp rank's stream); step 3 wraps the parts (:class:`SplitOverSequence`). Helix recomputes
+    inside its runtime, so step 4 is not applied."""
+    split = anatomy.helix_split(block, config, layouts.tp, prefix)
+    if config.tp > 1:
+        split = tensor_parallel_split(split, config.tp_mesh)
+    if config.sp == 1:
+        return split
+    if split.carried:
+        raise Unsupported(
+            f"its attention call takes {split.carried} parameter(s) besides q, k, v (learned sinks), which"
+            " HelixPipe carries to the attention stage but not through sequence parallelism's attention;"
+            " helix without sequence_parallel_size, or sequence parallelism (Ulysses or ring) alone, trains it"
+        )
+    check_heads(*anatomy.heads(block), config.sp, config.sp_mode, type(block).__name__, config.tp)
+    if layouts.sp is not None:
+        layouts.sp.partial += list(block.parameters())
+    return SplitOverSequence(split, anatomy, config.sp_mesh, config.sp_mode)
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -390,6 +421,13 @@ class BlockLayer:
                     before(runner.block)
                 args, kwargs = block_args[index]
                 self.install_runner(runner, x, args, kwargs)
+
+    def commit(self, index: int, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> BlockRunner:
+        """Resolve, verify and commit block ``index`` on ``(x, args, kwargs)`` now, without making the runner the
+        block's forward: HelixPipe's runtime calls the parts of ``runner.stack`` (a split) itself."""
+        runner = BlockRunner(self, index, block)
+        self.install_runner(runner, x, args, kwargs)
+        return runner
 
     def install_runner(self, runner: BlockRunner, x: Tensor, args: tuple, kwargs: dict) -> None:
         """Resolve, verify and commit ``runner``'s stack on its first real input."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lightning_parallel import watchdog
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy, matching_adapters, named_adapter
 from lightning_parallel.anatomy.attends import attends
-from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
+from lightning_parallel.anatomy.verify import verify
 from lightning_parallel.errors import AnatomyError, ConfigurationError, Unsupported
 from lightning_parallel.lasp import recurrent_mixers
 
@@ -217,62 +217,3 @@ def _mark(value: Any) -> Any:
         raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         return ("tensor", tuple(value.shape), value.dtype, hash(raw))
     return ("object", type(value).__name__, id(value))
-
-
-def verified_split(
-    block: nn.Module,
-    sample: tuple[Tensor, tuple, dict],
-    config: Any,
-    winner: str | None = None,
-    layouts: Any = None,
-    prefix: str = "",
-    index: int = 0,
-    proven: set[tuple] | None = None,
-) -> tuple[str, Any, Verdicts]:
-    """``(source, parts, verdicts)``: ``block`` (layer ``index``) cut at its attention call (HelixPipe) by the first
-    source whose split reproduces the block's own forward and gradients on ``sample`` (:func:`first_verified`),
-    composed with this rank's tensor parallelism (the block sharded, the parts running on its heads; ``layouts.tp``
-    records the sharding) and sequence parallelism (a :class:`~lightning_parallel.sequence_parallel.SplitOverSequence`;
-    ``layouts.sp`` records the parameters whose gradients are summed over sp). The candidates are verified on
-    copies, the verdict agreed over the tp and sp groups; then ``block`` itself is sharded (its parameters
-    replaced: the caller hands the new ones to the optimizers). ``prefix``: the block's parameters' full names
-    start with it (the checkpoint's names of permuted fused projections); ``proven``: see :func:`first_verified`.
-    ``verdicts`` verifies the split again on a call of another structure
-    (:class:`~lightning_parallel.anatomy.verify.Verdicts`)."""
-    from lightning_parallel.rng import tensor_parallel_split as tensor_parallel_rng_split
-    from lightning_parallel.sequence_parallel import SequenceParallelLayout, SplitOverSequence, check_heads
-    from lightning_parallel.tensor_parallel import TensorParallelLayout
-
-    def compose(anatomy: Any, target: nn.Module, tp: Any, sp: Any, names: str) -> Any:
-        split = anatomy.helix_split(target, config, tp, names)
-        if config.tp > 1:
-            split = tensor_parallel_rng_split(split, config.tp_mesh)
-        if config.sp == 1:
-            return split
-        if split.carried:
-            raise Unsupported(
-                f"its attention call takes {split.carried} parameter(s) besides q, k, v (learned sinks), which"
-                " HelixPipe carries to the attention stage but not through sequence parallelism's attention;"
-                " helix without sequence_parallel_size, or sequence parallelism (Ulysses or ring) alone, trains it"
-            )
-        check_heads(*anatomy.heads(target), config.sp, config.sp_mode, type(target).__name__, config.tp)
-        if sp is not None:
-            sp.partial += list(target.parameters())
-        return SplitOverSequence(split, anatomy, config.sp_mesh, config.sp_mode)
-
-    def build(anatomy: Any) -> Callable[[nn.Module], tuple[Any, Any]]:
-        def candidate(copy: nn.Module) -> tuple[Any, Any]:
-            tp = TensorParallelLayout(config.tp_mesh) if config.tp > 1 else None
-            sp = SequenceParallelLayout(config.sp_mesh, config.sp_mode) if config.sp > 1 else None
-            parts = compose(anatomy, copy, tp, sp, "")
-            return (lambda m, x, a, kw: parts(m, x, a, kw)), lambda m: single_process_gradients(m, tp, sp)
-
-        return candidate
-
-    groups = [m.get_group() for m in (config.tp_mesh, config.sp_mesh) if m is not None and m.size() > 1]
-    source, anatomy = first_verified(block, sample, config, winner, build, groups, proven)
-    check = lambda b, x, a, kw: verify(b, x, a, kw, build(anatomy), name=anatomy.name, groups=groups,  # noqa: E731
-                                       through=chains(block, config))  # fmt: skip
-    verdicts = Verdicts(block, sample[1], sample[2], f"layer {index + 1} ({type(block).__name__})", index, check)
-    tp, sp = (layouts.tp, layouts.sp) if layouts is not None else (None, None)
-    return source, compose(anatomy, block, tp, sp, prefix), verdicts

@@ -44,11 +44,6 @@ def _close(a: Tensor, b: Tensor, tolerance: dict) -> bool:
     return torch.allclose(a, b, **tolerance)
 
 
-def to64(value: Any) -> Any:
-    """Floating tensors as detached float64 copies; everything else as is (any nesting)."""
-    return tree_map(lambda t: t.detach().double() if isinstance(t, Tensor) and t.is_floating_point() else t, value)
-
-
 @contextmanager
 def without_forward(block: nn.Module) -> Iterator[None]:
     """Temporarily drop an instance ``forward`` (a runner) so that a deep copy is the plain block."""

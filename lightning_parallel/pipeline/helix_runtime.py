@@ -56,7 +56,6 @@ class HelixRuntime(PipelineRuntime):
         self.num_layers = len(self.trunk)
         self.num_indices = self.num_layers + 2
         self.local_chunks = [0] if self.stage == 0 else []  # stage 0 keeps the capture's pre-trunk graph
-        self.quiet_step: Callable[[Callable[[], Any]], Any] = lambda step: step()  # set by the strategy
         self.handlers = {"FP": self._forward_param, "FA": self._forward_attention,
                          "BP": self._backward_param, "BA": self._backward_attention}  # fmt: skip
 
@@ -238,20 +237,16 @@ class HelixRuntime(PipelineRuntime):
 
     def _loss_forward(self, ctx: StepContext, a: Action, inputs: list[Tensor]) -> None:
         mb = a.microbatch
-        step = ctx.steps[mb]
-        self.phase = "loss"
-        try:
-            if self.recompute:  # value and logs now; the graph is rebuilt in the backward action
-                with torch.no_grad():
-                    y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
-                    step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
-                loss = ctx.loss_of(step_out)
-            else:
+        step = lambda: ctx.user.loss(mb)  # noqa: E731
+        if self.recompute:  # value and logs now; the graph is rebuilt in the backward action
+            with torch.no_grad():
                 y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
                 step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
-                loss = ctx.loss_of(step_out)
-        finally:
-            self.phase = None
+            loss = ctx.loss_of(step_out)
+        else:
+            y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
+            step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
+            loss = ctx.loss_of(step_out)
         ctx.saved[a] = (inputs, [loss])
         ctx.results[mb] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
 
@@ -279,7 +274,7 @@ class HelixRuntime(PipelineRuntime):
                 if self.recompute:  # the head and loss inside the backward step, logging suppressed
                     y = self._post(ctx, L, mb, inputs[0], inputs[1:])
                     out = wrap_output(y, self.output_like)
-                    loss = ctx.loss_of(self.quiet_step(lambda: substitute(self.trunk, ctx.steps[mb], out)))
+                    loss = ctx.loss_of(substitute(self.trunk, lambda: ctx.user.replay(mb), out))
                 torch.autograd.backward(loss * ctx.weights[mb], retain_graph=retain)
             else:
                 grads = self._recv(ctx, 4, self._attention_stage(j + 1, mb), a)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -111,11 +111,42 @@ class RecvClock:
         return TimelineEvent(stage, kind, microbatch, chunk, start, time.time(), self.start, self.end, self.sent)
 
 
+class UserStep(Protocol):
+    """The user's ``training_step`` on each micro-batch, the one way the runtime calls it: ``capture(i)`` runs it up
+    to the trunk (``capture.capture`` stops it there: the pre-trunk graph and the blocks' arguments), ``loss(i)``
+    from the trunk's output on to its loss (its logs and token count are this micro-batch's), ``replay(i)`` the
+    loss again inside a backward action (HelixPipe's recomputation: no logs, metric states left as they were).
+    Under ``capture.substitute`` the trunk returns the schedule's output instead of running."""
+
+    def __len__(self) -> int: ...
+
+    def capture(self, i: int) -> Any: ...
+
+    def loss(self, i: int) -> Any: ...
+
+    def replay(self, i: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PlainSteps:
+    """A :class:`UserStep` whose three passes call the same ``steps[i]()`` (no Lightning: benchmarks, tests)."""
+
+    steps: list[Callable[[], Any]]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def capture(self, i: int) -> Any:
+        return self.steps[i]()
+
+    loss = replay = capture
+
+
 @dataclass
 class StepContext:
     """The state of one training step on one stage, dropped when the step ends."""
 
-    steps: list[Callable[[], Any]]
+    user: UserStep
     loss_of: Callable[[Any], Tensor]
     weights: list[float]
     captures: dict[int, Capture] = field(default_factory=dict)
@@ -186,7 +217,6 @@ class PipelineRuntime:
         self.num_indices = self.num_chunks  # chunk indices a tag must tell apart
         self.output_like: Any = None  # the blocks' output structure (None: a plain tensor)
         self._like_known = False
-        self.phase: str | None = None  # "capture" or "loss" while the user's step runs inside the schedule
         self.gradients: Any = None  # this step's gradient buckets (strategies/_overlap.py), or None
         self.timeline: list[TimelineEvent] = []
         local = {j for c in self.local_chunks for j in chunk_blocks[c]}
@@ -213,21 +243,21 @@ class PipelineRuntime:
     def run(
         self,
         schedule: dict[int, list[Action]],
-        steps: list[Callable[[], Any]],
+        user: UserStep,
         loss_of: Callable[[Any], Tensor],
         loss_weights: list[float],
     ) -> dict[int, tuple[Tensor, Any]]:
         """Run this stage's actions of one training step's ``schedule`` (every stage's, for the order of the
-        messages); ``steps[i]()`` runs the user's step on micro-batch i.
+        messages); ``user`` runs the user's step on each micro-batch.
 
         Returns, on the stage that runs the loss, ``{i: (loss_i detached, step output)}``.
         """
         self.timeline = []
         actions = schedule[self.stage]
-        ctx = StepContext(steps, loss_of, loss_weights, split=any(a.kind == "I" for a in actions))
+        ctx = StepContext(user, loss_of, loss_weights, split=any(a.kind == "I" for a in actions))
         outgoing, incoming = message_orders(schedule, self.stage, self.source_of)
         ctx.outbox, ctx.inbox = Outbox(outgoing, ctx.posted), Inbox(incoming)
-        ctx.backwards_left = {i: 0 for i in range(len(steps))}
+        ctx.backwards_left = {i: 0 for i in range(len(user))}
         for a in actions:
             if a.kind in ("B", "I", "BP", "BA"):
                 ctx.backwards_left[a.microbatch] += 1
@@ -279,20 +309,16 @@ class PipelineRuntime:
         """``capture.capture`` of ``step``; until the blocks' output structure is known, it is learned at the first
         block's call from ``probe`` (a freed block, or any block when ``probe`` is given) called on meta tensors."""
         block = probe if probe is not None else (self.trunk.blocks[self._freed] if self._freed is not None else None)
-        self.phase = "capture"
-        try:
-            learn = None if self._like_known or block is None else (lambda: block)
-            cap, like = capture(self.trunk, step, self.output_like, learn)
-            if learn is not None and like is not self.output_like:
-                self.output_like, self._like_known = like, True
-            return cap
-        finally:
-            self.phase = None
+        learn = None if self._like_known or block is None else (lambda: block)
+        cap, like = capture(self.trunk, step, self.output_like, learn)
+        if learn is not None and like is not self.output_like:
+            self.output_like, self._like_known = like, True
+        return cap
 
     def _capture(self, ctx: StepContext, i: int) -> Capture:
         if i in ctx.captures:
             return ctx.captures[i]
-        cap = self.capture_step(ctx.steps[i])
+        cap = self.capture_step(lambda: ctx.user.capture(i))
         if 0 not in self.local_chunks:
             cap.trunk_input = cap.trunk_input.detach()  # only chunk 0 needs the pre-trunk graph
         ctx.captures[i] = cap
@@ -352,11 +378,7 @@ class PipelineRuntime:
         y = unwrap_output(out, self.trunk.blocks[-1])
         if c == self.num_chunks - 1:
             self.output_like, self._like_known = structure_of(out), True
-            self.phase = "loss"
-            try:
-                step_out = substitute(self.trunk, ctx.steps[i], out)
-            finally:
-                self.phase = None
+            step_out = substitute(self.trunk, lambda: ctx.user.loss(i), out)
             loss = ctx.loss_of(step_out)
             ctx.saved[(i, c)] = (x, loss)
             ctx.results[i] = (loss.detach(), detached(step_out))  # the graph is the actions' alone

@@ -10,7 +10,7 @@ runtime makes of it:
   backward with the recomputation (``B``), and the split backward of the zero-bubble schedules: the
   input-gradient call (``I``) and the weight-gradient call (``W``) of ``pipeline.split_backward``, with
   the bytes the block keeps for its backward (``memory.kept_for_backward``) and what ``I`` holds for ``W``;
-- HelixPipe's parts, with the block's verified split (``anatomy.resolve.verified_split``, the one
+- HelixPipe's parts, with the block's verified split (``blocks.BlockLayer.commit``, the one
   ``HelixParallelStrategy`` uses): pre-attention, attention and post-attention, each forward and each
   backward on its own graph from detached inputs, as the helix runtime calls them, and the packing of
   its two messages (``_collectives.pack``, what ``isend_packed`` sends).
@@ -34,9 +34,8 @@ import torch
 from torch import Tensor
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.resolve import verified_split
 from lightning_parallel.block_protocol import Split
-from lightning_parallel.blocks import BlockConfig, apply_recompute
+from lightning_parallel.blocks import BlockConfig, BlockLayer, apply_recompute
 from lightning_parallel.errors import AnatomyError
 from lightning_parallel.memory import kept_at_width, kept_for_backward
 from lightning_parallel.pipeline.capture import (
@@ -213,12 +212,11 @@ def _split(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> tuple[Split | Non
     cropped = crop(batch, seq_len)
     cap, _ = _capture(trunk, lambda: lm.training_step(cropped, 0))
     try:
-        _, split, _ = verified_split(
-            trunk.blocks[0], (cap.trunk_input.detach(), *cap.block_args[0]), BlockConfig(split=True)
-        )
+        runner = BlockLayer(None, BlockConfig(split=True)).commit(0, trunk.blocks[0], cap.trunk_input.detach(),
+                                                                   *cap.block_args[0])  # fmt: skip
     except AnatomyError as err:
         return None, str(err)
-    return split, ""
+    return runner.stack, ""
 
 
 def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repeats: int = 3) -> BlockCosts:

@@ -1,4 +1,7 @@
-"""Lightning ``Strategy`` classes; importing this module registers their short names."""
+"""Lightning ``Strategy`` classes; importing this module registers their short names (and two aliases of the
+hybrid strategy) with Lightning's ``StrategyRegistry``."""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.strategies.helix import HelixParallelStrategy
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
@@ -6,18 +9,21 @@ from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 
 __all__ = ["HelixParallelStrategy", "HybridParallelStrategy", "PipelineParallelStrategy"]
 
-HybridParallelStrategy.register()
-HybridParallelStrategy.register_alias(
+for _cls in (HybridParallelStrategy, PipelineParallelStrategy, HelixParallelStrategy):
+    StrategyRegistry.register(_cls.strategy_name, _cls, description=_cls.strategy_description, override=True)
+StrategyRegistry.register(
     "tensor_parallel",
-    "lightning-parallel: tensor parallelism over all devices (Megatron-style, on DTensor)",
+    HybridParallelStrategy,
+    description="lightning-parallel: tensor parallelism over all devices (Megatron-style, on DTensor)",
+    override=True,
     data_parallel_size=1,
     tensor_parallel_size="auto",
 )
-HybridParallelStrategy.register_alias(
+StrategyRegistry.register(
     "sequence_parallel",
-    "lightning-parallel: sequence (context) parallelism over all devices (Ulysses; or ring)",
+    HybridParallelStrategy,
+    description="lightning-parallel: sequence (context) parallelism over all devices (Ulysses; or ring)",
+    override=True,
     data_parallel_size=1,
     sequence_parallel_size="auto",
 )
-PipelineParallelStrategy.register()
-HelixParallelStrategy.register()

@@ -44,7 +44,6 @@ class DataParallelShardingMixin:
     _buckets: Optional[GradientBuckets]
     _fsdp_root: list[torch.nn.Module]
     _shards: dict[int, _sharding.ShardedOptimizer]
-    _reduced: dict[int, dict[int, Any]]
     _materialized: list[Any]
     _blocks: Any
     _mesh: Any

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel import _collectives, lightning_patches, watchdog
-from lightning_parallel.mesh import AXES, DP, PP, SP, TP, ParallelDims
+from lightning_parallel.mesh import AXES, DP, PP, ParallelDims
 from lightning_parallel.strategies import _failures
 from lightning_parallel.strategies._full_shard import check_full
 
@@ -84,14 +84,6 @@ class ProcessesMixin:
     @property
     def pp_group(self) -> Optional[dist.ProcessGroup]:
         return self._mesh.get_group(PP) if self._mesh is not None else None
-
-    @property
-    def tp_group(self) -> Optional[dist.ProcessGroup]:
-        return self._mesh.get_group(TP) if self._mesh is not None else None
-
-    @property
-    def sp_group(self) -> Optional[dist.ProcessGroup]:
-        return self._mesh.get_group(SP) if self._mesh is not None else None
 
     @property
     def pp_lanes(self) -> _collectives.Lanes:

@@ -26,7 +26,6 @@ from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.init_replay import InitTape, generator
 from lightning_parallel.materialize import check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP
-from lightning_parallel.sequence_parallel import SequenceParallelLayout
 from lightning_parallel.strategies._optimizers import Replaced, replace_parameters
 from lightning_parallel.strategies._pending import pending_blocks
 from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
@@ -162,10 +161,6 @@ class SetupRecipeMixin:
     @property
     def _tp_layout(self) -> Optional[TensorParallelLayout]:
         return self._blocks.layouts.tp if self._blocks is not None else None
-
-    @property
-    def _sp_layout(self) -> Optional[SequenceParallelLayout]:
-        return self._blocks.layouts.sp if self._blocks is not None else None
 
     def _replace_parameters(self, replaced: Replaced) -> None:
         replace_parameters(self.optimizers, replaced, self._in_memory)

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.resolve import verified_split
 from lightning_parallel.anatomy.verify import Verdicts
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import DP, PP, SP, TP, Size
@@ -36,8 +35,6 @@ from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
     recording,
-    restore_metrics,
-    snapshot_metrics,
 )
 from lightning_parallel.strategies._optimizers import drop_parameters
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
@@ -150,7 +147,6 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             trunk, [range(len(trunk))], self.stage, ranks, self.pp_lanes, self.root_device,
             folds=self._folds, recompute=self._helix_recompute,
         )  # fmt: skip
-        self.runtime.quiet_step = self._quiet
         self.runtime.splits = self._splits  # placed by an earlier fit with this strategy, or filled at the first step
         self.runtime.verdicts = self._verdicts
         self.schedule = helix(dims.pp, len(trunk), self.num_microbatches, self._folds)
@@ -211,14 +207,6 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         L, m = self.runtime.num_layers, self.num_microbatches
         return simulate_helix(self.schedule, L, m, self._folds, lambda a: cost(a.kind, a.chunk))
 
-    def _quiet(self, step: Any) -> Any:
-        """Re-run the user's step in a backward action: no logging, metric states left as they were."""
-        saved = snapshot_metrics(self._metrics.metrics)
-        try:
-            return step()
-        finally:
-            restore_metrics(self._metrics.metrics, saved)
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._splits:
@@ -236,18 +224,14 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         with torch.random.fork_rng(), recording(lm, LogRecorder()), self.precision_plugin.train_step_context():
             step = lambda: lm.training_step(micro[0], *rest, **kwargs)  # noqa: E731
             cap = runtime.capture_step(step, probe=copy.deepcopy(runtime.trunk.blocks[0]).to("meta"))
-        config, winner, layer, proven = self._block_config(), None, self._blocks, set()
+        layer = self._blocks
         assert layer is not None
         for j, block in enumerate(runtime.trunk.blocks):  # one block whole at a time
             self._materialize_at_first_call(block)  # a deferred block, kept on meta until now
-            sample = (cap.trunk_input.detach(), *cap.block_args[j])
-            before, prefix = dict(block.named_parameters()), layer.prefix(j)
-            # under tensor parallelism the block is sharded here (its parameters replaced in the optimizers)
-            winner, split, verdicts = verified_split(block, sample, config, winner, layer.layouts, prefix, j, proven)
-            after = dict(block.named_parameters())
-            self._replace_parameters([(before[n], p, f"{prefix}{n}") for n, p in after.items() if p is not before[n]])
-            self._splits.append(split)
-            self._verdicts.append(verdicts)
+            # the block layer shards it under tensor parallelism (the optimizers take the new parameters)
+            runner = layer.commit(j, block, cap.trunk_input.detach(), *cap.block_args[j])
+            self._splits.append(runner.stack)
+            self._verdicts.append(runner.verdicts)
             drop_parameters(self.optimizers, place_block(j, block, self._splits[j], self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)
         with self._outer_at_rest():  # what the stage stores: the outer part's shards

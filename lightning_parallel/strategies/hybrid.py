@@ -42,7 +42,7 @@ from lightning_parallel import recompute as recompute_lib
 from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockLayer
 from lightning_parallel.init_replay import InitTape
-from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims, Size, check_size
+from lightning_parallel.mesh import AXES, DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
 from lightning_parallel.sequence_parallel import MODES
@@ -313,7 +313,7 @@ class HybridParallelStrategy(
     def _plan_gradients(self) -> gradients.GradientPlan:
         """What :mod:`lightning_parallel.strategies.gradients` reduces over on this rank."""
         dims = self.parallel_dims
-        groups = {DP: self.dp_group, PP: self.pp_group, SP: self.sp_group, TP: self.tp_group}
+        groups = {axis: self._mesh.get_group(axis) for axis in AXES} if self._mesh is not None else {}
         mode = self._dp_sharding if dims.dp > 1 and self._dp_sharding in ("optimizer", "full") else "replicate"
         layouts = self._blocks.layouts if self._blocks is not None else None
         return gradients.GradientPlan(dims, self.coordinate, groups, mode, layouts, self._outer_gradients())
@@ -543,34 +543,16 @@ class HybridParallelStrategy(
         super().on_train_start()
 
     @override
-    def on_validation_start(self) -> None:
+    def on_validation_start(self) -> None:  # Lightning's hooks of the three loops are no-ops: one body serves all
         self._evaluation_starts()
-        super().on_validation_start()
+
+    on_test_start = on_predict_start = on_validation_start
 
     @override
     def on_validation_end(self) -> None:
         self._evaluation_ends()
-        super().on_validation_end()
 
-    @override
-    def on_test_start(self) -> None:
-        self._evaluation_starts()
-        super().on_test_start()
-
-    @override
-    def on_test_end(self) -> None:
-        self._evaluation_ends()
-        super().on_test_end()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._evaluation_starts()
-        super().on_predict_start()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._evaluation_ends()
-        super().on_predict_end()
+    on_test_end = on_predict_end = on_validation_end
 
     def _evaluation_starts(self) -> None:
         """A validation, test or predict loop starts (the pipeline also gathers what evaluation needs)."""
@@ -578,16 +560,3 @@ class HybridParallelStrategy(
 
     def _evaluation_ends(self) -> None:
         """A validation, test or predict loop ended."""
-
-    @classmethod
-    def register(cls) -> None:
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        StrategyRegistry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
-
-    @classmethod
-    def register_alias(cls, name: str, description: str, **defaults: Any) -> None:
-        """Register ``name`` as this strategy with ``defaults`` for its arguments."""
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        StrategyRegistry.register(name, cls, description=description, override=True, **defaults)

@@ -308,25 +308,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         params = [p for p in lm.parameters() if p.device.type != "meta"]
         saved = gradients.stash(params)  # Lightning zeroes grads after training_step
         recorder = LogRecorder()
-
-        def step_of(i: int, mb: Any) -> Any:
-            padding = shares[i] == 0.0  # fills a short batch's schedule: no logs, metric states left as they were
-
-            def step() -> Any:
-                recorder.microbatch, recorder.active = i, runtime.phase == "loss" and not padding
-                if runtime.phase == "loss":  # the loss the schedule's backward is seeded with
-                    with CrossEntropyCalls() as calls:
-                        recorder.count_of = calls.count_of
-                        try:
-                            out = self._run_step(lm, padding, mb, rest, kwargs)
-                        finally:
-                            recorder.count_of = None
-                    weights.learn(i, calls.count_of(loss_of(out)))
-                    return out
-                return self._run_step(lm, padding, mb, rest, kwargs)
-
-            return step
-
+        user = _MicroBatchSteps(self, lm, micro, shares, rest, kwargs, recorder, weights)
         self._metrics.before_step()
         freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
         runtime.gradients = self._armed_buckets(lm)  # the dp means go in the units' last backward actions
@@ -334,8 +316,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         try:
             with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
                 with self._explain_sharded_use(), self._heads.active():
-                    steps = [step_of(i, mb) for i, mb in enumerate(micro)]
-                    results = runtime.run(self.schedule, steps, loss_of, weights)
+                    results = runtime.run(self.schedule, user, loss_of, weights)
         finally:
             armed, runtime.gradients = runtime.gradients is not None, None
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
@@ -372,15 +353,6 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             if id(p) in owner:
                 grouped[owner[id(p)]].append(p)
         return grouped, [key for key, _ in units]
-
-    def _run_step(self, lm: Any, padding: bool, mb: Any, rest: tuple, kwargs: dict) -> Any:
-        if not padding:
-            return lm.training_step(mb, *rest, **kwargs)
-        saved = snapshot_metrics(self._metrics.metrics)
-        try:
-            return lm.training_step(mb, *rest, **kwargs)
-        finally:
-            restore_metrics(self._metrics.metrics, saved)
 
     def _finish_step(
         self, results: dict, recorder: LogRecorder, shares: list[float], weights: TokenWeights, armed: bool
@@ -580,3 +552,48 @@ def step_extras(outputs: list[Any], shares: list[float]) -> Optional[dict[str, A
 
 def _to(value: Any, device: torch.device) -> Any:
     return value.to(device) if isinstance(value, Tensor) else value
+
+
+class _MicroBatchSteps:
+    """The user's ``training_step`` on each micro-batch of one step, as the runtime calls it
+    (:class:`~lightning_parallel.pipeline.runtime.UserStep`): only the loss pass logs (into ``recorder``, as micro-batch
+    ``i``) and learns the micro-batch's token count; a padding micro-batch (it fills a short batch's schedule) and a
+    replay log nothing and leave the metric states as they were."""
+
+    def __init__(self, strategy: PipelineParallelStrategy, lm: Any, micro: list, shares: list[float], rest: tuple,
+                 kwargs: dict, recorder: LogRecorder, weights: TokenWeights) -> None:  # fmt: skip
+        self.strategy, self.lm, self.micro, self.shares = strategy, lm, micro, shares
+        self.rest, self.kwargs, self.recorder, self.weights = rest, kwargs, recorder, weights
+
+    def __len__(self) -> int:
+        return len(self.micro)
+
+    def capture(self, i: int) -> Any:
+        self.recorder.microbatch, self.recorder.active = i, False
+        return self._run(i, quiet=self.shares[i] == 0.0)
+
+    def loss(self, i: int) -> Any:
+        padding = self.shares[i] == 0.0
+        self.recorder.microbatch, self.recorder.active = i, not padding
+        with CrossEntropyCalls() as calls:  # the loss the schedule's backward is seeded with
+            self.recorder.count_of = calls.count_of
+            try:
+                out = self._run(i, quiet=padding)
+            finally:
+                self.recorder.count_of = None
+        self.weights.learn(i, calls.count_of(loss_of(out)))
+        return out
+
+    def replay(self, i: int) -> Any:
+        self.recorder.microbatch, self.recorder.active = i, False
+        return self._run(i, quiet=True)
+
+    def _run(self, i: int, quiet: bool) -> Any:
+        if not quiet:
+            return self.lm.training_step(self.micro[i], *self.rest, **self.kwargs)
+        metrics = self.strategy._metrics.metrics
+        saved = snapshot_metrics(metrics)
+        try:
+            return self.lm.training_step(self.micro[i], *self.rest, **self.kwargs)
+        finally:
+            restore_metrics(metrics, saved)

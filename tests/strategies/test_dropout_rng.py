@@ -261,14 +261,13 @@ def test_sp2_x_tp2_masks_per_head_group_and_replicated_over_tp():
 def _helix_parts_rank(rank, world_size):
     """HelixPipe's parts of the example block (its verified split on tp=2 shards, as HelixParallelStrategy makes
     them), called part by part in training: each part's masks, the post part's (replicated) output."""
-    from lightning_parallel.anatomy.resolve import verified_split
-    from lightning_parallel.blocks import BlockConfig, Layouts
+    from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
 
     torch.manual_seed(0)
     block = _gpt_blocks(1).h[0]
     x = torch.randn(8, 16, 32)
     config = BlockConfig(tp_mesh=_mesh((2,), ("tp",)), split=True)
-    _, split, _ = verified_split(block, (x, (), {}), config, None, Layouts.for_config(config), "")
+    split = BlockLayer(None, config, Layouts.for_config(config)).commit(0, block, x, (), {}).stack
     block.train()
     with Masks() as pre:
         (q, k, v), state = split.pre(block, x, (), {})
