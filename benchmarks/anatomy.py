@@ -39,12 +39,13 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pipeline import batch, init_worker, make_model, run_two  # noqa: E402
+from lightning_parallel import _p2p
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy  # noqa: E402
 from lightning_parallel.anatomy.traced import anatomy_of  # noqa: E402
 from lightning_parallel.blocks import BlockConfig, parallelize  # noqa: E402
+from lightning_parallel.pipeline.context import PlainSteps  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix  # noqa: E402
-from lightning_parallel.pipeline.runtime import PlainSteps  # noqa: E402
 from lightning_parallel.trunk import discover_trunk  # noqa: E402
 
 TRACED = ("traced",)
@@ -56,10 +57,8 @@ def _lanes() -> object:
     as tests/callbacks/test_profilers.py does)."""
     import torch.distributed as dist
 
-    from lightning_parallel import _collectives
-
     world = dist.group.WORLD
-    return _collectives.Lanes(world, world, world)
+    return _p2p.Lanes(world, world, world)
 
 
 class Composed:

@@ -55,6 +55,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.models import GPT  # noqa: E402
+from lightning_parallel import _p2p
 from lightning_parallel.anatomy.adapters import ADAPTERS, AdapterAnatomy  # noqa: E402
 from lightning_parallel.blocks import (
     BlockConfig,  # noqa: E402
@@ -62,10 +63,11 @@ from lightning_parallel.blocks import (
 )
 from lightning_parallel.callbacks.timeline import analyze, mean_costs, split_receive  # noqa: E402
 from lightning_parallel.memory import LiveTensorTracker  # noqa: E402
+from lightning_parallel.pipeline.context import PlainSteps  # noqa: E402
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block  # noqa: E402
 from lightning_parallel.pipeline.helix_schedule import helix, simulate_helix  # noqa: E402
 from lightning_parallel.pipeline.placement import place_blocks  # noqa: E402
-from lightning_parallel.pipeline.runtime import PipelineRuntime, PlainSteps  # noqa: E402
+from lightning_parallel.pipeline.runtime import PipelineRuntime  # noqa: E402
 from lightning_parallel.pipeline.schedules import build_schedule, chunk_stages, placement_style, simulate  # noqa: E402
 from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_bytes  # noqa: E402
 
@@ -78,10 +80,8 @@ def _lanes() -> object:
     as tests/callbacks/test_profilers.py does)."""
     import torch.distributed as dist
 
-    from lightning_parallel import _collectives
-
     world = dist.group.WORLD
-    return _collectives.Lanes(world, world, world)
+    return _p2p.Lanes(world, world, world)
 
 
 def make_model(seq_len: int) -> GPT:

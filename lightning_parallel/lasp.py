@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel import _collectives
+from lightning_parallel import _collectives, _p2p
 from lightning_parallel.errors import ConfigurationError
 
 #: what a mixer's cache must answer (transformers 5's linear-attention cache, duck-typed)
@@ -165,13 +165,13 @@ class _Receive(torch.autograd.Function):
     def forward(ctx: Any, anchor: Tensor, group: Any, src: int, tag: int) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.group, ctx.src, ctx.tag = group, src, tag
         peer = _collectives.group_ranks(group)[src]
-        tensors, _, _ = _collectives.recv_packed(peer, tag, group, anchor.device)
+        tensors, _, _ = _p2p.recv_packed(peer, tag, group, anchor.device)
         return tuple(tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:  # type: ignore[override]
         peer = _collectives.group_ranks(ctx.group)[ctx.src]
-        for work, _ in _collectives.isend_packed(list(grads), peer, ctx.tag, ctx.group):
+        for work, _ in _p2p.isend_packed(list(grads), peer, ctx.tag, ctx.group):
             work.wait()
         return None, None, None, None
 
@@ -184,12 +184,12 @@ class _Send(torch.autograd.Function):
         ctx.group, ctx.dst, ctx.tag = group, dst, tag
         ctx.shapes = [(t.shape, t.dtype) for t in state]
         peer = _collectives.group_ranks(group)[dst]
-        for work, _ in _collectives.isend_packed([t.detach() for t in state], peer, tag, group):
+        for work, _ in _p2p.isend_packed([t.detach() for t in state], peer, tag, group):
             work.wait()
         return out.clone()
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Any:  # type: ignore[override]
         peer = _collectives.group_ranks(ctx.group)[ctx.dst]
-        grads, _, _ = _collectives.recv_packed(peer, ctx.tag, ctx.group, grad_out.device)
+        grads, _, _ = _p2p.recv_packed(peer, ctx.tag, ctx.group, grad_out.device)
         return (grad_out, None, None, None, *grads)

@@ -25,6 +25,9 @@ Per block of the trunk, with the block's anatomy (:mod:`lightning_parallel.anato
   replicated hidden state on entry and all-gathers its output on exit, so the trunk's interface and
   the user's code are unchanged. The norms' parameters then see 1/tp of the tokens on each rank: their
   gradients are summed over the tp group (``TensorParallelLayout.partial``).
+
+Over 400 lines because every tensor-parallel style (transformers' plan styles and the ones this package adds)
+is applied here on DTensor, with the vocabulary-parallel embedding and heads.
 """
 
 from __future__ import annotations

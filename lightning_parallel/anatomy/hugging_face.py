@@ -13,6 +13,9 @@
 - **Sequence arguments**: the Hugging Face calling convention (``position_embeddings``, ``position_ids``,
   ``cache_position`` carry the sequence; ``attention_mask`` stays whole for the attention).
 - **MLP**: the block's ``mlp``.
+
+Over 400 lines because every Hugging Face family's anatomy is read from the model's own metadata (configs,
+attention interface, tensor-parallel plans, caches) in this one place, rather than per family.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning_parallel.callbacks.timeline import legend_labels, split_receive
-from lightning_parallel.pipeline.runtime import TimelineEvent
+from lightning_parallel.pipeline.context import TimelineEvent
 
 _COLORS = {"F": "#8fb8de", "B": "#2e6fab", "I": "#2e6fab", "W": "#70ad47", "FP": "#8fb8de", "BP": "#2e6fab",
            "FA": "#f4b183", "BA": "#c55a11"}  # fmt: skip

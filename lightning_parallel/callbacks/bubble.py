@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_parallel import _collectives
 from lightning_parallel.callbacks._base import ProfilerCallback, log_metrics, pipeline_of, position
 from lightning_parallel.callbacks.timeline import analyze, chrome_trace, mean_costs, median_step
-from lightning_parallel.pipeline.runtime import TimelineEvent
+from lightning_parallel.pipeline.context import TimelineEvent
 
 
 class BubbleProfiler(ProfilerCallback):

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_parallel.pipeline.runtime import TimelineEvent
+from lightning_parallel.pipeline.context import TimelineEvent
 
 
 @dataclass

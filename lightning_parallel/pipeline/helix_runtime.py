@@ -32,10 +32,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
-from lightning_parallel import _collectives
+from lightning_parallel import _p2p
 from lightning_parallel.pipeline.capture import substitute, wrap_output
+from lightning_parallel.pipeline.context import EvalContext, StepContext, detached
 from lightning_parallel.pipeline.helix_schedule import attention_stage
-from lightning_parallel.pipeline.runtime import EvalContext, PipelineRuntime, StepContext, detached
+from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.sequence_parallel import SplitOverSequence
 
@@ -74,7 +75,7 @@ class HelixRuntime(PipelineRuntime):
             ctx.local[(consumer, index, mb)] = [t.detach() for t in tensors]
             return
         dst, tag = self.rank_of_stage(stage), self.tag(consumer, mb, index)
-        send = lambda: _collectives.isend_packed(tensors, dst, tag, self.lanes.to(dst))  # noqa: E731
+        send = lambda: _p2p.isend_packed(tensors, dst, tag, self.lanes.to(dst))  # noqa: E731
         ctx.outbox.put(stage, (consumer, mb, index), send)
 
     def _recv(self, ctx: StepContext, n: int, stage: int, a: Action) -> list[Tensor]:
@@ -87,11 +88,11 @@ class HelixRuntime(PipelineRuntime):
         with ctx.clock as clock:
             posted = ctx.ahead.pop(tuple(a), None)
             if posted is not None:
-                out, clock.sent, self.specs[key] = _collectives.complete_recv_packed(posted)
+                out, clock.sent, self.specs[key] = _p2p.complete_recv_packed(posted)
             else:
                 ctx.inbox.take(stage, tuple(a))
                 src = self.rank_of_stage(stage)
-                out, clock.sent, self.specs[key] = _collectives.recv_packed(
+                out, clock.sent, self.specs[key] = _p2p.recv_packed(
                     src, self.tag(a.kind, a.microbatch, a.chunk), self.lanes.source(src), self.device,
                     self.specs.get(key),
                 )  # fmt: skip
@@ -145,7 +146,7 @@ class HelixRuntime(PipelineRuntime):
                 continue
             ctx.inbox.take(src, tuple(a))
             rank = self.rank_of_stage(src)
-            ctx.ahead[tuple(a)] = _collectives.post_recv_packed(
+            ctx.ahead[tuple(a)] = _p2p.post_recv_packed(
                 rank, self.tag(a.kind, a.microbatch, a.chunk), self.lanes.source(rank), self.device, spec
             )
 
@@ -318,11 +319,11 @@ class HelixRuntime(PipelineRuntime):
             message = [*inputs, *rest]
             if post_stage != pre_stage:
                 dst = self.rank_of_stage(post_stage)
-                ev.sends += _collectives.isend_packed(message, dst, tag, self.lanes.to(dst))
+                ev.sends += _p2p.isend_packed(message, dst, tag, self.lanes.to(dst))
         if self.stage == post_stage:
             if post_stage != pre_stage:
                 src = self.rank_of_stage(pre_stage)
-                message, _, _ = _collectives.recv_packed(src, tag, self.lanes.source(src), self.device)
+                message, _, _ = _p2p.recv_packed(src, tag, self.lanes.source(src), self.device)
             n = self._inputs(i)
             out = self._attend(i, message[:n], args, kwargs, ev.shard)
             rest = message[n:]

@@ -5,7 +5,7 @@ names in ``handlers`` (as torch's ``_PipelineScheduleRuntime`` dispatches on com
 step's state in a :class:`StepContext`, and records the action in the timeline. This class registers the
 handlers of chunked pipelines (GPipe, 1F1B, interleaved, zero bubble: ``F``, ``B``, ``I``, ``W``);
 ``HelixRuntime`` registers HelixPipe's (``FP``, ``FA``, ``BP``, ``BA``). Messages follow NCCL's rules
-(``pipeline.messages``): each direction between two stages on its own process group (``_collectives.Lanes``),
+(``pipeline.messages``): each direction between two stages on its own process group (``_p2p.Lanes``),
 sent in the order their receiver consumes them, received in action order. Every message is also tagged by
 :meth:`tag` from the action that consumes it (gloo matches by tag).
 
@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel import _collectives
+from lightning_parallel import _p2p
 from lightning_parallel.pipeline.capture import (
     Capture,
     _forwards,
@@ -54,144 +53,14 @@ from lightning_parallel.pipeline.capture import (
     unwrap_output,
     wrap_output,
 )
+from lightning_parallel.pipeline.context import EvalContext, RecvClock, StepContext, TimelineEvent, UserStep, detached
 from lightning_parallel.pipeline.messages import Inbox, Outbox, message_orders
 from lightning_parallel.pipeline.schedules import Action
-from lightning_parallel.pipeline.split_backward import WeightWork, backward_input
+from lightning_parallel.pipeline.split_backward import backward_input
 from lightning_parallel.trunk import Trunk
 
 # the port of a message: what kind of action consumes it (``I`` takes what ``B`` would; ``E``: evaluation)
 _PORTS = {"F": 0, "B": 1, "I": 1, "FP": 0, "BP": 1, "FA": 2, "BA": 3, "E": 4}
-
-
-def detached(output: Any) -> Any:
-    """``output`` with every tensor detached: a step output kept for Lightning must not hold the graph (a
-    split backward retains the graph's saved tensors for as long as anything references it)."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
-
-
-@dataclass
-class TimelineEvent:
-    """One executed action, wall times (``time.time()``, seconds). ``recv_start``/``recv_end`` bound the
-    action's blocking receive, if it had one; ``producer_sent`` is when the producer posted that message."""
-
-    stage: int
-    kind: str
-    microbatch: int
-    chunk: int
-    start: float
-    end: float
-    recv_start: float | None = None
-    recv_end: float | None = None
-    producer_sent: float | None = None
-
-    @property
-    def blocked(self) -> float:
-        """Seconds spent blocked in the receive."""
-        return 0.0 if self.recv_start is None or self.recv_end is None else self.recv_end - self.recv_start
-
-
-class RecvClock:
-    """Times one action's blocking receive for its ``TimelineEvent``."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self.end: float | None = None
-        self.sent: float | None = None
-
-    def __enter__(self) -> RecvClock:
-        self.start = time.time()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.end = time.time()
-
-    def event(self, stage: int, kind: str, microbatch: int, chunk: int, start: float) -> TimelineEvent:
-        return TimelineEvent(stage, kind, microbatch, chunk, start, time.time(), self.start, self.end, self.sent)
-
-
-class UserStep(Protocol):
-    """The user's ``training_step`` on each micro-batch, the one way the runtime calls it: ``capture(i)`` runs it up
-    to the trunk (``capture.capture`` stops it there: the pre-trunk graph and the blocks' arguments), ``loss(i)``
-    from the trunk's output on to its loss (its logs and token count are this micro-batch's), ``replay(i)`` the
-    loss again inside a backward action (HelixPipe's recomputation: no logs, metric states left as they were).
-    Under ``capture.substitute`` the trunk returns the schedule's output instead of running."""
-
-    def __len__(self) -> int: ...
-
-    def capture(self, i: int) -> Any: ...
-
-    def loss(self, i: int) -> Any: ...
-
-    def replay(self, i: int) -> Any: ...
-
-
-@dataclass(frozen=True)
-class PlainSteps:
-    """A :class:`UserStep` whose three passes call the same ``steps[i]()`` (no Lightning: benchmarks, tests)."""
-
-    steps: list[Callable[[], Any]]
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def capture(self, i: int) -> Any:
-        return self.steps[i]()
-
-    loss = replay = capture
-
-
-@dataclass
-class StepContext:
-    """The state of one training step on one stage, dropped when the step ends."""
-
-    user: UserStep
-    loss_of: Callable[[Any], Tensor]
-    weights: list[float]
-    captures: dict[int, Capture] = field(default_factory=dict)
-    backwards_left: dict[int, int] = field(default_factory=dict)  # per micro-batch; its capture lives until 0
-    saved: dict[tuple, Any] = field(default_factory=dict)  # what a forward leaves for its backward
-    weight_work: dict[tuple[int, int], WeightWork] = field(default_factory=dict)  # I -> W
-    local: dict[tuple, list[Tensor]] = field(default_factory=dict)  # messages to this same stage (helix)
-    sends: dict[int, list[tuple[Any, Tensor]]] = field(default_factory=dict)  # per micro-batch, until complete
-    results: dict[int, tuple[Tensor, Any]] = field(default_factory=dict)
-    shards: dict[int, Any] = field(default_factory=dict)  # per micro-batch, its sequence shard (helix x sp)
-    ahead: dict[tuple, Any] = field(default_factory=dict)  # receives posted ahead, by consuming action
-    clock: RecvClock = field(default_factory=RecvClock)
-    split: bool = False  # the schedule splits the backward into I and W
-    outbox: Any = None  # messages.Outbox: sends in their receivers' order
-    inbox: Any = None  # messages.Inbox: receives in this stage's order
-
-    def posted(self, microbatch: int, sends: list[tuple[Any, Tensor]]) -> None:
-        """Keep a message's sends (and their payload) until they are known to be complete."""
-        self.sends.setdefault(microbatch, []).extend(sends)
-
-    def received(self, microbatch: int) -> None:
-        """After a message of ``microbatch`` came from another stage: complete and drop this stage's earlier
-        sends of the micro-batch. A micro-batch's actions form one chain (forward chunk by chunk, or helix's
-        P_0 -> A_1 -> P_1 -> ... -> P_L, then the same in reverse), so the message just received was produced
-        after every earlier message of the chain had been received: the waits return at once, and a payload
-        (helix's packed q, k, v and residual are copies) is freed here, not at the end of the step (gloo's
-        ``is_completed`` never turns true for p2p, so a send cannot be polled)."""
-        for work, _ in self.sends.pop(microbatch, []):
-            work.wait()
-
-    def complete_all(self) -> None:
-        for sends in self.sends.values():
-            for work, _ in sends:
-                work.wait()
-        self.sends = {}
-
-
-@dataclass
-class EvalContext:
-    """The state of one lock-step evaluation call: trunk passes so far, sends to complete, carried state."""
-
-    passes: int = 0
-    sends: list[tuple[Any, Tensor]] = field(default_factory=list)
-    carry: Any = None
-    shard: Any = None  # the trunk pass's sequence shard (helix x sp)
 
 
 class PipelineRuntime:
@@ -205,7 +74,7 @@ class PipelineRuntime:
         chunk_blocks: list[range],
         stage: int,
         stage_ranks: list[int],
-        lanes: _collectives.Lanes,
+        lanes: _p2p.Lanes,
         device: torch.device,
         chunk_stages: list[int] | None = None,
     ) -> None:
@@ -333,7 +202,7 @@ class PipelineRuntime:
             ctx.local[tuple(consumer)] = [tensor.detach()]
             return
         dst, tag = self.rank_of(consumer.chunk), self.tag(consumer.kind, consumer.microbatch, consumer.chunk)
-        send = _collectives.isend_with_header if consumer.kind == "F" else _collectives.isend_timed
+        send = _p2p.isend_with_header if consumer.kind == "F" else _p2p.isend_timed
         ctx.outbox.put(stage, tuple(consumer), lambda: send(tensor, dst, tag, self.lanes.to(dst)))
 
     def _receive(self, ctx: StepContext, src_chunk: int, a: Action, like: Tensor | None = None) -> Tensor:
@@ -344,9 +213,9 @@ class PipelineRuntime:
         src, tag = self.rank_of(src_chunk), self.tag(a.kind, a.microbatch, a.chunk)
         with ctx.clock as clock:
             if like is None:
-                out, clock.sent = _collectives.recv_with_header(src, tag, self.lanes.source(src), self.device)
+                out, clock.sent = _p2p.recv_with_header(src, tag, self.lanes.source(src), self.device)
             else:
-                out, clock.sent = _collectives.recv_into_timed(torch.empty_like(like), src, tag, self.lanes.source(src))
+                out, clock.sent = _p2p.recv_into_timed(torch.empty_like(like), src, tag, self.lanes.source(src))
         ctx.received(a.microbatch)
         return out
 
@@ -455,7 +324,7 @@ class PipelineRuntime:
                 if j < last:
                     return out if out is not None else wrap_output(hidden, self.output_like)
                 src = self._output_stage()
-                final = _collectives.broadcast_with_header(
+                final = _p2p.broadcast_with_header(
                     mine if self.stage == src else None, self.rank_of_stage(src), self.group, self.device
                 )
                 ev.passes += 1
@@ -495,14 +364,12 @@ class PipelineRuntime:
             return None, None
         if j == self.chunk_blocks[c].start and c > 0 and self.chunk_stages[c - 1] != self.stage:
             src = self.rank_of(c - 1)
-            hidden, _ = _collectives.recv_with_header(
-                src, self.tag("E", ev.passes, c), self.lanes.source(src), self.device
-            )
+            hidden, _ = _p2p.recv_with_header(src, self.tag("E", ev.passes, c), self.lanes.source(src), self.device)
         out = real(hidden, *args, **kwargs)
         self.output_like, self._like_known = structure_of(out), True
         y = unwrap_output(out, block)
         last_of_chunk = j == self.chunk_blocks[c].stop - 1 and c < self.num_chunks - 1
         if last_of_chunk and self.chunk_stages[c + 1] != self.stage:  # (the next chunk here takes it as it is)
             dst = self.rank_of(c + 1)
-            ev.sends += _collectives.isend_with_header(y, dst, self.tag("E", ev.passes, c + 1), self.lanes.to(dst))
+            ev.sends += _p2p.isend_with_header(y, dst, self.tag("E", ev.passes, c + 1), self.lanes.to(dst))
         return out, y

@@ -206,6 +206,39 @@ SPLIT_BACKWARD = frozenset({"zb_h1", "zbv"})  # schedules whose backward is spli
 VIRTUAL_STAGES = {"interleaved_1f1b": None, "zbv": 2}  # chunks per stage where not 1 (None: any, default 2)
 
 
+@dataclass(frozen=True)
+class PipelineSettings:
+    """A pipeline strategy's schedule settings, validated when the strategy is built (the arguments of
+    ``PipelineParallelStrategy`` of the same names; ``virtual_stages`` resolved: 2 for the interleaved and V
+    schedules unless given, else 1)."""
+
+    schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    virtual_stages: int | None = None
+    layers_per_stage: list[int] | None = None
+    loss_reduction: str = "mean"
+    check_batches: int = 2
+
+    def __post_init__(self) -> None:
+        name, virtual, m = self.schedule, self.virtual_stages, self.num_microbatches
+        if name not in SCHEDULES:
+            raise ValueError(f"schedule={name!r}; choose one of {sorted(SCHEDULES)}")
+        virtual = virtual or (2 if name in VIRTUAL_STAGES else 1)
+        if name == "zbv" and virtual != 2:
+            raise ValueError(f"schedule='zbv' runs two chunks per stage (a V); got virtual_stages={virtual}")
+        if virtual != 1 and name not in VIRTUAL_STAGES:
+            raise ValueError(f"virtual_stages={virtual} needs schedule='interleaved_1f1b' (got {name!r})")
+        if m is not None and (isinstance(m, bool) or m < 1):
+            raise ValueError(f"num_microbatches must be a positive int, got {m!r}")
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        object.__setattr__(self, "virtual_stages", virtual)
+
+    @property
+    def virtual(self) -> int:
+        return self.virtual_stages or 1
+
+
 def placement_style(name: str) -> Literal["loop", "v"]:
     return "v" if name == "zbv" else "loop"
 

@@ -29,7 +29,7 @@ class Sample:
     helix: dict[str, float] | None  # HELIX_PARTS, seconds; None: the block has no verified split
     helix_bytes: tuple[int, int]  # the two helix messages: (q, k, v, state) and (attention output, state)
     helix_kept: tuple[int, int, int]  # bytes each part keeps for its backward (outputs included): pre, attention, post
-    helix_pack: tuple[float, float]  # seconds to pack each of the two messages (``_collectives.pack``)
+    helix_pack: tuple[float, float]  # seconds to pack each of the two messages (``_p2p.pack``)
     head_forward: float
     head_backward: float
     head_kept: int  # bytes the post-trunk code and loss keep for their backward

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_parallel._collectives import comm_device, isend_with_header, recv_with_header
+from lightning_parallel._collectives import comm_device
+from lightning_parallel._p2p import isend_with_header, recv_with_header
 
 
 def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | None = None, busy: float = 0.02) -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_parallel.callbacks._plots import _pyplot, plot_timeline
-from lightning_parallel.pipeline.runtime import TimelineEvent
+from lightning_parallel.pipeline.context import TimelineEvent
 from lightning_parallel.plan.predict import Layout, Prediction
 
 MIB = 2**20

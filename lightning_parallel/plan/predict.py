@@ -31,6 +31,9 @@ it keeps for its backward (the policy's saved tensors, a received input, the hea
 and its backward frees it, ``I`` holds the weights' work until ``W``, a captured micro-batch lives from
 the stage's first action of it to its last backward, a packed copy sent until the runtime completes it
 (at the micro-batch's next message from another stage) + one block's activations being formed.
+
+Over 400 lines because one cost model prices every layout (the pipeline schedules, HelixPipe, tp, sp, dp,
+sharding, recomputation) against the same measured block costs.
 """
 
 from __future__ import annotations

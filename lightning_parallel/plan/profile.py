@@ -13,7 +13,7 @@ runtime makes of it:
 - HelixPipe's parts, with the block's verified split (``blocks.BlockLayer.commit``, the one
   ``HelixParallelStrategy`` uses): pre-attention, attention and post-attention, each forward and each
   backward on its own graph from detached inputs, as the helix runtime calls them, and the packing of
-  its two messages (``_collectives.pack``, what ``isend_packed`` sends).
+  its two messages (``_p2p.pack``, what ``isend_packed`` sends).
 
 The post-trunk code and loss (head) is timed forward and backward with the trunk output substituted, the
 capture (the user's step up to the trunk) per micro-batch. Wall clock, not a sum of op times: the
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_parallel import _collectives
+from lightning_parallel import _p2p
 from lightning_parallel.block_protocol import Split
 from lightning_parallel.blocks import BlockConfig, BlockLayer, apply_recompute
 from lightning_parallel.errors import AnatomyError
@@ -141,8 +141,8 @@ def _helix_passes(split: Split, block: Any, x: Tensor, args: tuple, kwargs: dict
         t_att_g, _ = _timed(lambda out=out, g=grad_out[0]: backward([out], [g]))
         grad_qkv = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins] + grad_out[1:]
         t_pre_g, _ = _timed(lambda qkv=qkv, g=grad_qkv: backward(qkv, g))
-        t_pack_qkv, _ = _timed(lambda qkv=qkv: _collectives.pack(qkv))
-        t_pack_out, _ = _timed(lambda out=out, state=state: _collectives.pack([out, *state]))
+        t_pack_qkv, _ = _timed(lambda qkv=qkv: _p2p.pack(qkv))
+        t_pack_out, _ = _timed(lambda out=out, state=state: _p2p.pack([out, *state]))
         sizes = (
             sum(t.numel() * t.element_size() for t in qkv),
             sum(t.numel() * t.element_size() for t in (out, *state)),

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_parallel import _collectives, lightning_patches, watchdog
+from lightning_parallel import _collectives, _p2p, lightning_patches, watchdog
 from lightning_parallel.mesh import AXES, DP, PP, ParallelDims
 from lightning_parallel.strategies import _failures
 from lightning_parallel.strategies._full_shard import check_full
@@ -86,8 +86,8 @@ class ProcessesMixin:
         return self._mesh.get_group(PP) if self._mesh is not None else None
 
     @property
-    def pp_lanes(self) -> _collectives.Lanes:
-        """The pipeline group's two point-to-point lanes (``_collectives.Lanes``), made with the mesh."""
+    def pp_lanes(self) -> _p2p.Lanes:
+        """The pipeline group's two point-to-point lanes (``_p2p.Lanes``), made with the mesh."""
         if self._lanes is None:
             raise RuntimeError("the pipeline's lanes are made in `setup_environment` when pipeline_parallel_size > 1")
         return self._lanes
@@ -126,8 +126,8 @@ class ProcessesMixin:
     def _layout_line(self, dims: ParallelDims) -> str:
         """One line for the log: the sizes, and which sequence parallelism runs."""
         sizes = f"dp={dims.dp} pp={dims.pp} sp={dims.sp} tp={dims.tp} on {dims.world_size} processes"
-        mode = getattr(self, "_sp_mode", None)  # set by HybridParallelStrategy
-        if dims.sp > 1 and mode is not None:
+        mode = self._block_settings.sp_mode  # type: ignore[attr-defined]
+        if dims.sp > 1:
             what = "Ulysses (all-to-all, sp divides the heads)" if mode == "ulysses" else "ring attention (zig-zag)"
             sizes += f"; sequence parallelism: {what}"
         return sizes
@@ -169,7 +169,7 @@ class ProcessesMixin:
         self._lanes = None
         if dims.pp > 1:  # every rank makes every pipeline group's lanes
             grid = self._mesh.mesh.movedim(AXES.index(PP), -1).reshape(-1, dims.pp).tolist()
-            self._lanes = _collectives.make_lanes(grid, self.pp_group)
+            self._lanes = _p2p.make_lanes(grid, self.pp_group)
         self._peers = _collectives.all_gather_object(_failures.whoami())  # to name a rank that dies
         bound = self._first_step_timeout
         watchdog.configure(

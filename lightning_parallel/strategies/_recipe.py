@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -147,15 +148,12 @@ class SetupRecipeMixin:
         return list(enumerate(trunk.blocks)), []
 
     def _block_config(self) -> BlockConfig:
+        """The strategy's block settings with this rank's tensor- and sequence-parallel meshes."""
         dims, mesh = self.parallel_dims, self._mesh
-        return BlockConfig(
+        return replace(
+            self._block_settings,
             tp_mesh=mesh[TP] if dims.tp > 1 and mesh is not None else None,
-            tp_plan=self._tp_plan,
-            tp_sequence_parallel=self._tp_sequence_parallel,
             sp_mesh=mesh[SP] if dims.sp > 1 and mesh is not None else None,
-            sp_mode=self._sp_mode,
-            adapter=self._adapter_arg,
-            **self._recompute,
         )
 
     @property

@@ -29,7 +29,6 @@ from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import DP, PP, SP, TP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
-from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.schedules import Simulation
 from lightning_parallel.strategies._logging import (
     LogRecorder,
@@ -37,6 +36,7 @@ from lightning_parallel.strategies._logging import (
     recording,
 )
 from lightning_parallel.strategies._optimizers import drop_parameters
+from lightning_parallel.strategies.microbatches import split_microbatches
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.trunk import Trunk, parameter_bytes
 
@@ -113,7 +113,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
 
     @property
     def num_microbatches(self) -> int:
-        return self._num_microbatches or self.parallel_dims.pp * self._folds
+        return self._settings.num_microbatches or self.parallel_dims.pp * self._folds
 
     @property
     def stage(self) -> int:

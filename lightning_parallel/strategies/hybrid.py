@@ -10,6 +10,10 @@ optimizer step, the gradients are averaged over the dp group with one coalesced 
 dtype. The pipeline runtime calls blocks directly and moves gradients between buffers,
 which DDP's autograd-hook reducer cannot follow; one explicit all-reduce at the step works for every
 layout and, with gradient accumulation, runs once per optimizer step rather than per micro-batch.
+
+Over 400 lines because it is the one place each Lightning hook of the strategies is overridden (set-up, the
+step, backward, the optimizer step, reductions, the loops' starts and ends, teardown) and holds the constructor's
+argument reference; the mechanisms are its mixins and :mod:`lightning_parallel.strategies.gradients`.
 """
 
 from __future__ import annotations
@@ -37,15 +41,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_parallel import _collectives, watchdog
-from lightning_parallel import recompute as recompute_lib
+from lightning_parallel import _collectives, _p2p, watchdog
 from lightning_parallel.anatomy.families import packed_batch_note
-from lightning_parallel.blocks import BlockLayer
+from lightning_parallel.blocks import BlockConfig, BlockLayer
 from lightning_parallel.init_replay import InitTape
 from lightning_parallel.mesh import AXES, DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
-from lightning_parallel.sequence_parallel import MODES
 from lightning_parallel.strategies import _failures, _sharding, gradients
 from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
 from lightning_parallel.strategies._head import ChunkedHeads
@@ -203,16 +205,18 @@ class HybridParallelStrategy(
                 f"recompute_every_n={recompute_every_n} applies to recompute='every_n' only"
                 f" (got recompute={recompute!r})"
             )
-        recompute_every_n = 2 if recompute_every_n is None else recompute_every_n
-        sequence_parallel_mode = sequence_parallel_mode or "ulysses"
-        if sequence_parallel_mode not in MODES:
-            raise ValueError(f"sequence_parallel_mode={sequence_parallel_mode!r}; choose one of {MODES}")
         if sequence_parallel_size not in (1, "1") and tp_sequence_parallel:
             raise ValueError(
                 f"sequence_parallel_size={sequence_parallel_size} already splits every block's sequence; it cannot be"
                 " combined with tp_sequence_parallel=True (which splits it between the tensor-parallel regions)"
             )
-        recompute_lib.validate(recompute, recompute_every_n, mlp_chunks, recompute_offload)
+        # what every block of this rank gets (validated here; the meshes are added at set-up: _block_config)
+        self._block_settings = BlockConfig(
+            tp_plan=tp_plan, tp_sequence_parallel=tp_sequence_parallel, sp_mode=sequence_parallel_mode or "ulysses",
+            recompute=recompute, every_n=2 if recompute_every_n is None else recompute_every_n, mlp_chunks=mlp_chunks,
+            offload=recompute_offload, mlp_module=mlp_module, attention_kernels=tuple(attention_kernels),
+            adapter=adapter,
+        )  # fmt: skip
         if bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb}; give a size in MiB, or 0 to average after the backward")
         self._bucket_cap_mb = bucket_cap_mb
@@ -239,22 +243,12 @@ class HybridParallelStrategy(
         self._fsdp_root: list[torch.nn.Module] = []  # data_parallel_sharding="full": the units' root, once applied
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
         self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
-        self._recompute = dict(
-            recompute=recompute,
-            every_n=recompute_every_n,
-            mlp_chunks=mlp_chunks,
-            offload=recompute_offload,
-            mlp_module=mlp_module,
-            attention_kernels=tuple(attention_kernels),
-        )
         self._trunk_path = trunk
         self._sizes: dict[str, Size] = {
             "dp": data_parallel_size,
             "tp": tensor_parallel_size,
             "sp": sequence_parallel_size,
         }
-        self._sp_mode = sequence_parallel_mode
-        self._tp_plan, self._adapter_arg, self._tp_sequence_parallel = tp_plan, adapter, tp_sequence_parallel
         self._blocks: Optional[BlockLayer] = None
         self._cache_off: list[str] = []  # modules whose Hugging Face KV cache set-up turned off
         self._heads = ChunkedHeads(loss_chunks)
@@ -267,7 +261,7 @@ class HybridParallelStrategy(
         self._num_nodes = 1
         self._dims: Optional[ParallelDims] = None
         self._mesh: Optional[DeviceMesh] = None
-        self._lanes: Optional[_collectives.Lanes] = None
+        self._lanes: Optional[_p2p.Lanes] = None
 
     @override
     def setup(self, trainer: Trainer) -> None:

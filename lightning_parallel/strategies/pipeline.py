@@ -14,6 +14,10 @@ What it wires into Lightning (docs/design.md, "Pipeline parallelism"):
 - ``optimizer_step``: pre/post-trunk gradients are summed over the pipeline group (they are replicated;
   this also makes tied embeddings correct), then averaged over dp; clipping uses the global norm.
 - ``validation/test/predict``: lock-step mode (every rank runs the same pre/post-trunk code).
+
+Over 400 lines because it overrides the Lightning hooks a pipeline changes (set-up and placement, the step,
+backward, evaluation in lock-step, teardown, failures) and holds the pipeline's argument checks; the runtime,
+the schedules and the micro-batches are their own modules.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import replace
 from typing import Any, Literal, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -39,12 +43,11 @@ from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import PP, Size, check_size
 from lightning_parallel.pipeline import outer
 from lightning_parallel.pipeline.capture import loss_of
-from lightning_parallel.pipeline.microbatch import batch_checksum, split_microbatches
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
 from lightning_parallel.pipeline.schedules import (
-    SCHEDULES,
     SPLIT_BACKWARD,
+    PipelineSettings,
     Simulation,
     build_schedule,
     chunk_stages,
@@ -58,14 +61,19 @@ from lightning_parallel.strategies._logging import (
     recording,
     reduce_records,
     replay_logs,
-    restore_metrics,
-    snapshot_metrics,
 )
 from lightning_parallel.strategies._overlap import GradientBuckets, overlappable
 from lightning_parallel.strategies._processes import SIGTERM_EXIT_CODE
 from lightning_parallel.strategies._stage_local import StageLocalMixin
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
-from lightning_parallel.token_mean import CrossEntropyCalls, TokenWeights, global_means, say_samples_once
+from lightning_parallel.strategies.microbatches import (
+    MicroBatchSteps,
+    batch_checksum,
+    check_padding,
+    split_microbatches,
+    step_extras,
+)
+from lightning_parallel.token_mean import TokenWeights, global_means, say_samples_once
 from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
@@ -106,27 +114,16 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     ) -> None:
         super().__init__(data_parallel_size=data_parallel_size, **kwargs)
         check_size(PP, pipeline_parallel_size)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
-        virtual_stages = virtual_stages or (2 if schedule in ("interleaved_1f1b", "zbv") else 1)
-        if schedule == "zbv" and virtual_stages != 2:
-            raise ValueError(f"schedule='zbv' runs two chunks per stage (a V); got virtual_stages={virtual_stages}")
-        if virtual_stages != 1 and schedule not in ("interleaved_1f1b", "zbv"):
-            raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})")
+        self._settings = PipelineSettings(
+            schedule, num_microbatches, virtual_stages, layers_per_stage, loss_reduction, check_batches
+        )
         if schedule in SPLIT_BACKWARD and self._dp_sharding == "full":
             raise ValueError(
                 f"schedule={schedule!r} splits the backward into input- and weight-gradient actions, which FSDP2's"
                 " per-block gradient reduction (data_parallel_sharding='full') would run before the weights'"
                 " gradients exist; use data_parallel_sharding='optimizer', or schedule='1f1b'"
             )
-        if num_microbatches is not None and (isinstance(num_microbatches, bool) or num_microbatches < 1):
-            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self._sizes["pp"] = pipeline_parallel_size
-        self._num_microbatches, self._schedule_name, self._virtual = num_microbatches, schedule, virtual_stages
-        self._layers_per_stage = layers_per_stage
-        self._loss_reduction, self._check_batches = loss_reduction, check_batches
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
         self._replicated_names: set[str] = set()
@@ -136,12 +133,12 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     # --------------------------------------------------------------------------------- layout
     @property
     def num_microbatches(self) -> int:
-        return self._num_microbatches or 2 * self.parallel_dims.pp
+        return self._settings.num_microbatches or 2 * self.parallel_dims.pp
 
     @property
     def chunk_stages(self) -> list[int]:
         """The stage of each model chunk (loop placement; a V for ``"zbv"``)."""
-        return chunk_stages(self.parallel_dims.pp, self._virtual, placement_style(self._schedule_name))
+        return chunk_stages(self.parallel_dims.pp, self._settings.virtual, placement_style(self._settings.schedule))
 
     @property
     def stage(self) -> int:
@@ -174,11 +171,11 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
 
     def _validate_schedule(self) -> None:
         dims = self.parallel_dims
-        self.schedule = build_schedule(self._schedule_name, dims.pp, self.num_microbatches, self._virtual)
+        self.schedule = build_schedule(self._settings.schedule, dims.pp, self.num_microbatches, self._settings.virtual)
 
     def simulate_schedule(self, cost: Callable[[str, int], float]) -> Simulation:
         """The schedule on a virtual clock, ``cost(kind, chunk)`` seconds per action (for the profilers)."""
-        chunks = self.parallel_dims.pp * self._virtual
+        chunks = self.parallel_dims.pp * self._settings.virtual
         return simulate(
             self.schedule, chunks, self.num_microbatches, cost=lambda a: cost(a.kind, a.chunk), stages=self.chunk_stages
         )
@@ -198,26 +195,27 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     @override
     def _block_config(self) -> BlockConfig:
         # a split backward unpacks a recomputed block's activations twice: one recomputation serves both
-        return replace(super()._block_config(), split_backward=self._schedule_name in SPLIT_BACKWARD)
+        return replace(super()._block_config(), split_backward=self._settings.schedule in SPLIT_BACKWARD)
 
     @override
     def _place_stages(self, lm: Any, trunk: Trunk) -> tuple[list[tuple[int, nn.Module]], list[nn.Module]]:
         """Place the trunk's blocks on model chunks, free the other stages' blocks, build the runtime."""
         dims, stage = self.parallel_dims, self.stage
-        chunks = dims.pp * self._virtual
-        if self._layers_per_stage is None and len(trunk) < chunks:
+        virtual, layers = self._settings.virtual, self._settings.layers_per_stage
+        chunks = dims.pp * virtual
+        if layers is None and len(trunk) < chunks:
             raise ValueError(
-                f"pipeline_parallel_size={dims.pp} x virtual_stages={self._virtual} = {chunks} stages need at least"
+                f"pipeline_parallel_size={dims.pp} x virtual_stages={virtual} = {chunks} stages need at least"
                 f" {chunks} blocks, but trunk {trunk.path!r} has {len(trunk)}"
             )
-        if self._virtual > 1 and self._layers_per_stage is None and len(trunk) % chunks:
+        if virtual > 1 and layers is None and len(trunk) % chunks:
             raise ValueError(
-                f"schedule={self._schedule_name!r} with pipeline_parallel_size={dims.pp} x"
-                f" virtual_stages={self._virtual} needs the"
+                f"schedule={self._settings.schedule!r} with pipeline_parallel_size={dims.pp} x"
+                f" virtual_stages={virtual} needs the"
                 f" {len(trunk)} blocks of {trunk.path!r} to divide into {chunks} equal chunks; change virtual_stages"
                 " or give layers_per_stage"
             )
-        placement, stages = place_blocks(len(trunk), chunks, self._layers_per_stage), self.chunk_stages
+        placement, stages = place_blocks(len(trunk), chunks, layers), self.chunk_stages
         local = {j for c in range(chunks) if stages[c] == stage for j in placement[c]}
         if self._blocks is None:  # first placement: every rank still holds every (materialised) block
             self._receive_blocks(trunk, local)
@@ -289,12 +287,12 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         lm, runtime = self.lightning_module, self.runtime
         assert lm is not None and runtime is not None
         batch, rest = args[0], args[1:]
-        if self._steps_done < self._check_batches:
+        if self._steps_done < self._settings.check_batches:
             self._check_same_batch(batch)
         self._steps_done += 1
         micro, shares = split_microbatches(batch, self.num_microbatches)
         if 0.0 in shares:
-            _check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
+            check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
         self._gather_outer_for_step()  # the sharded pre/post-trunk parameters, whole where they run
         if not self._outer_decided:  # the first step: which stages run the pre/post-trunk parameters
             self._place_outer(lambda: lm.training_step(micro[0], *rest, **kwargs))
@@ -304,11 +302,11 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
                 self._commit_then_fully_shard(runtime.capture_step, lambda: lm.training_step(micro[0], *rest, **kwargs))
         # each micro-batch's loss weight: its token count where the losses are token means (token_mean.py)
         replicas = self.dp_group if self.parallel_dims.dp > 1 else None  # one token unit for every replica
-        weights = TokenWeights(shares, lm.trainer.accumulate_grad_batches, self._loss_reduction, replicas)
+        weights = TokenWeights(shares, lm.trainer.accumulate_grad_batches, self._settings.loss_reduction, replicas)
         params = [p for p in lm.parameters() if p.device.type != "meta"]
         saved = gradients.stash(params)  # Lightning zeroes grads after training_step
         recorder = LogRecorder()
-        user = _MicroBatchSteps(self, lm, micro, shares, rest, kwargs, recorder, weights)
+        user = MicroBatchSteps(self, lm, micro, shares, rest, kwargs, recorder, weights)
         self._metrics.before_step()
         freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
         runtime.gradients = self._armed_buckets(lm)  # the dp means go in the units' last backward actions
@@ -372,7 +370,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
                 scale = weights.scale(count, self.parallel_dims.dp)
             else:
                 total = (losses * loss_weights).sum()
-                if self._loss_reduction == "mean" and (self.parallel_dims.dp > 1 or len(shares) > 1):
+                if self._settings.loss_reduction == "mean" and (self.parallel_dims.dp > 1 or len(shares) > 1):
                     say_samples_once(f"{type(self).__name__} ({len(shares)} micro-batches, dp={self.parallel_dims.dp})")
             total = total.to(results[0][0].dtype).cpu()
             logged = reduce_records(recorder, shares, self.dp_group)
@@ -386,7 +384,8 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
                 grad.mul_(scale)
         if extras is None:
             return total.to(self.root_device)
-        return {"loss": total.to(self.root_device), **{k: _to(v, self.root_device) for k, v in extras.items()}}
+        extras = {k: v.to(self.root_device) if isinstance(v, Tensor) else v for k, v in extras.items()}
+        return {"loss": total.to(self.root_device), **extras}
 
     def _check_same_batch(self, batch: Any) -> None:
         """Every rank of one replica must train on the same batch: compare a checksum."""
@@ -503,97 +502,3 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
             sys.stdout.flush()
             os._exit(1)
         super().on_exception(exception)
-
-
-def _check_padding(lm: nn.Module, samples: int, num_microbatches: int) -> None:
-    """Padding micro-batches must not change the model: running statistics (batch norm) would see them.
-    Padding is exact but costs compute: say so once."""
-    stats = [n for n, m in lm.named_modules() if getattr(m, "track_running_stats", False) and m.training]
-    if stats:
-        raise ValueError(
-            f"a batch of {samples} samples is shorter than num_microbatches={num_microbatches}; the schedule is"
-            f" filled with padding micro-batches, which would update the running statistics of {stats[:3]}; use"
-            " a batch size divisible into num_microbatches with drop_last=True, or a smaller num_microbatches"
-        )
-    rank_zero_warn(
-        f"a batch of {samples} samples is shorter than num_microbatches={num_microbatches}: the schedule is filled"
-        f" with {num_microbatches - samples} padding micro-batch(es) of weight 0 (exact, but they cost compute; an"
-        " epoch's last batch does this, a batch size below num_microbatches does it every step)"
-    )
-
-
-def step_extras(outputs: list[Any], shares: list[float]) -> Optional[dict[str, Any]]:
-    """The keys besides ``"loss"`` of the dicts the micro-batches' steps returned, as one device's step over the
-    whole batch returns them: a number or a scalar tensor as the micro-batches' mean weighted by their share of the
-    samples; a tensor with a row per sample as the rows of the batch, in order. ``None`` when the steps returned
-    the loss alone. Anything else cannot be assembled from micro-batches and is refused, naming the key."""
-    real = [(o, s) for o, s in zip(outputs, shares) if s > 0]
-    if not isinstance(real[0][0], dict) or set(real[0][0]) == {"loss"}:
-        return None
-    extras: dict[str, Any] = {}
-    for key in (k for k in real[0][0] if k != "loss"):
-        values = [o[key] for o, _ in real]
-        if all(isinstance(v, (int, float)) or isinstance(v, Tensor) and v.dim() == 0 for v in values):
-            weighted = sum(torch.as_tensor(v, dtype=torch.float64).cpu() * s for v, (_, s) in zip(values, real))
-            first = values[0]
-            extras[key] = weighted.to(first.dtype) if isinstance(first, Tensor) and first.is_floating_point() else (
-                weighted if isinstance(first, Tensor) else float(weighted))  # fmt: skip
-        elif all(isinstance(v, Tensor) and v.dim() > 0 for v in values):
-            extras[key] = torch.cat([v.detach().cpu() for v in values])
-        else:
-            kinds = sorted({type(v).__name__ for v in values})
-            raise ValueError(
-                f"training_step returned {key!r} of type {', '.join(kinds)}: a pipeline assembles a returned dict's"
-                " values from its micro-batches (numbers and scalar tensors as a mean, tensors with a row per sample"
-                " as the batch's rows); return one of those, or log the value with self.log"
-            )
-    return extras
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, Tensor) else value
-
-
-class _MicroBatchSteps:
-    """The user's ``training_step`` on each micro-batch of one step, as the runtime calls it
-    (:class:`~lightning_parallel.pipeline.runtime.UserStep`): only the loss pass logs (into ``recorder``, as micro-batch
-    ``i``) and learns the micro-batch's token count; a padding micro-batch (it fills a short batch's schedule) and a
-    replay log nothing and leave the metric states as they were."""
-
-    def __init__(self, strategy: PipelineParallelStrategy, lm: Any, micro: list, shares: list[float], rest: tuple,
-                 kwargs: dict, recorder: LogRecorder, weights: TokenWeights) -> None:  # fmt: skip
-        self.strategy, self.lm, self.micro, self.shares = strategy, lm, micro, shares
-        self.rest, self.kwargs, self.recorder, self.weights = rest, kwargs, recorder, weights
-
-    def __len__(self) -> int:
-        return len(self.micro)
-
-    def capture(self, i: int) -> Any:
-        self.recorder.microbatch, self.recorder.active = i, False
-        return self._run(i, quiet=self.shares[i] == 0.0)
-
-    def loss(self, i: int) -> Any:
-        padding = self.shares[i] == 0.0
-        self.recorder.microbatch, self.recorder.active = i, not padding
-        with CrossEntropyCalls() as calls:  # the loss the schedule's backward is seeded with
-            self.recorder.count_of = calls.count_of
-            try:
-                out = self._run(i, quiet=padding)
-            finally:
-                self.recorder.count_of = None
-        self.weights.learn(i, calls.count_of(loss_of(out)))
-        return out
-
-    def replay(self, i: int) -> Any:
-        self.recorder.microbatch, self.recorder.active = i, False
-        return self._run(i, quiet=True)
-
-    def _run(self, i: int, quiet: bool) -> Any:
-        if not quiet:
-            return self.lm.training_step(self.micro[i], *self.rest, **self.kwargs)
-        metrics = self.strategy._metrics.metrics
-        saved = snapshot_metrics(metrics)
-        try:
-            return self.lm.training_step(self.micro[i], *self.rest, **self.kwargs)
-        finally:
-            restore_metrics(metrics, saved)

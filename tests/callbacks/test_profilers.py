@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 from lightning_parallel.callbacks import BubbleProfiler, MemoryProfiler
 from lightning_parallel.callbacks.timeline import analyze, chrome_trace, legend_labels, median_step, split_receive
-from lightning_parallel.pipeline.runtime import TimelineEvent
+from lightning_parallel.pipeline.context import TimelineEvent
 from tests.helpers.distributed import free_port, run_distributed
 from tests.helpers.parity import assert_parity
 

@@ -232,7 +232,7 @@ def _pending_sends(rank, world_size):
 
     from examples.data import CharDataModule
     from examples.models import GPT
-    from lightning_parallel.pipeline.runtime import StepContext
+    from lightning_parallel.pipeline.context import StepContext
 
     counts = {"posted": 0, "most": 0}
     posted, received = StepContext.posted, StepContext.received

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from examples.models import GPT, EncoderClassifier, Llama
-from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.placement import place_blocks
+from lightning_parallel.strategies.microbatches import split_microbatches
 from lightning_parallel.trunk import discover_trunk, free_blocks, parameter_bytes
 from tests.helpers.models import HFStyleDecoder
 
@@ -104,9 +104,9 @@ def test_microbatch_errors():
 def test_padding_is_refused_where_running_statistics_would_see_it():
     from torch import nn
 
-    from lightning_parallel.strategies.pipeline import _check_padding
+    from lightning_parallel.strategies.microbatches import check_padding
 
     with pytest.raises(ValueError, match=r"a batch of 3 samples .* running statistics of \['1'\]"):
-        _check_padding(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), 3, 4)
+        check_padding(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), 3, 4)
     with pytest.warns(UserWarning, match="filled with 1 padding micro-batch"):
-        _check_padding(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), 3, 4)
+        check_padding(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), 3, 4)

@@ -92,13 +92,13 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 #: the package's floors, bottom-up: a module imports only from its own floor or one below (a top-level module or
 #: folder of ``lightning_parallel`` is listed once; a new one must be placed here)
 FLOORS: list[tuple[str, set[str]]] = [
-    ("wire and mesh", {"errors", "_collectives", "mesh", "watchdog", "rng", "memory"}),
+    ("wire and mesh", {"errors", "_collectives", "_p2p", "mesh", "watchdog", "rng", "memory"}),
     ("tensors and files", {"block_protocol", "trunk", "partial", "flat_chunks", "offload", "packing", "token_mean",
                            "chunked_loss", "init_replay", "checkpoint", "export"}),
     ("parallel mechanics", {"ring_attention", "sequence_parallel", "tensor_parallel", "mlp_chunks", "lasp",
                             "recompute"}),
     ("anatomy", {"anatomy", "materialize"}),
-    ("block layer", {"blocks"}),
+    ("block layer", {"stack", "blocks"}),
     ("runtimes", {"pipeline"}),
     ("Lightning strategies", {"strategies", "lightning_patches"}),
     ("surface", {"callbacks", "plan", "pretrained", "__init__"}),
