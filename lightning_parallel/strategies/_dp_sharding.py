@@ -1,7 +1,7 @@
-"""Sharded data parallelism inside the strategies: which mode is on, the dp average of the gradients, the
-full-sharding (FSDP2) units at set-up, the global norm's counting, checkpointed optimizer state, and the
-error for a sharded weight used outside its module. The mechanisms themselves are
-:mod:`lightning_parallel.strategies._sharding` (``"optimizer"``) and
+"""Sharded data parallelism inside the strategies: which mode is on, the backward's gradient buckets, the
+full-sharding (FSDP2) units at set-up, checkpointed optimizer state, and the error for a sharded weight used
+outside its module (the dp average and the norm's counting are :mod:`lightning_parallel.strategies.gradients`).
+The mechanisms themselves are :mod:`lightning_parallel.strategies._sharding` (``"optimizer"``) and
 :mod:`lightning_parallel.strategies._full_shard` (``"full"``)."""
 
 from __future__ import annotations

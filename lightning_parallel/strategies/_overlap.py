@@ -266,7 +266,8 @@ def overlappable(strategy: Any) -> bool:
     reduce-scatters, FSDP2 overlaps its own). Tensor-, sequence- and pipeline-parallel sums of the same gradients
     come after the dp mean (sums and the mean commute); a pipeline's buckets go in its chunks' last backward
     actions, and only when a step is its window's only batch (``accumulate_grad_batches=1``: the schedule's
-    gradients are added to the earlier batches' after the backward, :mod:`lightning_parallel.pipeline.gradients`)."""
+    gradients are added to the earlier batches' after the backward,
+    :func:`lightning_parallel.strategies.gradients.add_`)."""
     dims = strategy.parallel_dims
     lm = strategy.lightning_module
     return (
