@@ -111,9 +111,9 @@ class MicroBatchSteps:
     ``i``) and learns the micro-batch's token count; a padding micro-batch (it fills a short batch's schedule) and a
     replay log nothing and leave the metric states as they were."""
 
-    def __init__(self, strategy: Any, lm: Any, micro: list, shares: list[float], rest: tuple,
+    def __init__(self, metrics: dict[str, Any], lm: Any, micro: list, shares: list[float], rest: tuple,
                  kwargs: dict, recorder: LogRecorder, weights: TokenWeights) -> None:  # fmt: skip
-        self.strategy, self.lm, self.micro, self.shares = strategy, lm, micro, shares
+        self.metrics, self.lm, self.micro, self.shares = metrics, lm, micro, shares
         self.rest, self.kwargs, self.recorder, self.weights = rest, kwargs, recorder, weights
 
     def __len__(self) -> int:
@@ -142,9 +142,8 @@ class MicroBatchSteps:
     def _run(self, i: int, quiet: bool) -> Any:
         if not quiet:
             return self.lm.training_step(self.micro[i], *self.rest, **self.kwargs)
-        metrics = self.strategy._metrics.metrics
-        saved = snapshot_metrics(metrics)
+        saved = snapshot_metrics(self.metrics)
         try:
             return self.lm.training_step(self.micro[i], *self.rest, **self.kwargs)
         finally:
-            restore_metrics(metrics, saved)
+            restore_metrics(self.metrics, saved)

@@ -306,7 +306,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         params = [p for p in lm.parameters() if p.device.type != "meta"]
         saved = gradients.stash(params)  # Lightning zeroes grads after training_step
         recorder = LogRecorder()
-        user = MicroBatchSteps(self, lm, micro, shares, rest, kwargs, recorder, weights)
+        user = MicroBatchSteps(self._metrics.metrics, lm, micro, shares, rest, kwargs, recorder, weights)
         self._metrics.before_step()
         freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
         runtime.gradients = self._armed_buckets(lm)  # the dp means go in the units' last backward actions
