@@ -16,7 +16,7 @@ and :func:`norms`, the per-parameter norms behind the strategies' ``grad_norm()`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -31,17 +31,8 @@ from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims
 from lightning_parallel.strategies._full_shard import is_fully_sharded
 from lightning_parallel.strategies._overlap import GradientBuckets
 from lightning_parallel.strategies._sharding import ShardedOptimizer
+from lightning_parallel.strategies._stage_local import OuterShards
 from lightning_parallel.tensor_parallel import is_sharded, local
-
-
-@dataclass(frozen=True)
-class OuterGradients:
-    """The pipeline strategies' pre/post-trunk parameters (:mod:`lightning_parallel.strategies._stage_local`):
-    whole on every stage, or stored in shards over the stages."""
-
-    whole: Callable[[], list[nn.Parameter]]  # the ones every stage holds whole, as the module holds them now
-    reduce_shards: Callable[[], None]  # the sharded ones' gradients reduce-scattered onto their shards
-    counted_here: Callable[[nn.Parameter], Optional[bool]]  # None: not a pre/post-trunk parameter
 
 
 @dataclass(frozen=True)
@@ -54,7 +45,7 @@ class GradientPlan:
     groups: Mapping[str, Any]  # axis -> process group (None without a mesh)
     dp_mode: str  # "replicate" (every replica holds every gradient), "optimizer" (ZeRO-1/2) or "full" (FSDP2)
     layouts: Optional[Layouts]
-    outer: Optional[OuterGradients]
+    outer: Optional[OuterShards]  # the pipeline strategies' pre/post-trunk parameters
 
     def group(self, axis: str) -> Any:
         """The group of ``axis`` when it has more than one rank, else ``None``."""

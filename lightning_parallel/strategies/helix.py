@@ -159,7 +159,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         if self._splits:
             return super()._shared_over_pp(module)
         tensors = module.state_dict(keep_vars=True).values()
-        return [t for t in tensors if not t.is_meta and not self._is_sharded_outer(t)]
+        return [t for t in tensors if not t.is_meta and not self._outer.holds(t)]
 
     @override
     def _broadcast_block(self, block: nn.Module, axes: tuple[str, ...] = ()) -> None:
@@ -194,7 +194,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
 
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:
-        self._find_replicated(lm, trunk)  # the placement is reported once the first step has split the blocks
+        self._attach_outer(lm, trunk)  # the placement is reported once the first step has split the blocks
 
     @override
     def _block_config(self) -> BlockConfig:
@@ -210,7 +210,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._splits:
-            self._gather_outer_for_step()  # the capture pass runs the user's code: the embedding whole
+            self._outer.gather_for_step()  # the capture pass runs the user's code: the embedding whole
             self._verify_and_place(args[0], args[1:], kwargs)
         return super().training_step(*args, **kwargs)
 
@@ -234,6 +234,6 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             self._verdicts.append(runner.verdicts)
             drop_parameters(self.optimizers, place_block(j, block, self._splits[j], self.stage, self.parallel_dims.pp))
         layers = len(runtime.trunk)
-        with self._outer_at_rest():  # what the stage stores: the outer part's shards
+        with self._outer.stored():  # what the stage stores: the outer part's shards
             nbytes = parameter_bytes(lm)
         self._report_placement(runtime.trunk.path, [range(j, j + 1) for j in range(layers)], nbytes)

@@ -58,6 +58,7 @@ from lightning_parallel.strategies._pending import PendingBlocksMixin
 from lightning_parallel.strategies._processes import ProcessesMixin
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
+from lightning_parallel.strategies._stage_local import OuterShards
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.token_mean import CrossEntropyCalls, global_means, say_samples_once
 from lightning_parallel.trunk import discover_trunk, materialised_to
@@ -312,7 +313,7 @@ class HybridParallelStrategy(
         layouts = self._blocks.layouts if self._blocks is not None else None
         return gradients.GradientPlan(dims, self.coordinate, groups, mode, layouts, self._outer_gradients())
 
-    def _outer_gradients(self) -> Optional[gradients.OuterGradients]:
+    def _outer_gradients(self) -> Optional[OuterShards]:
         """The pre/post-trunk parameters the pipeline strategies hold per stage (none here)."""
         return None
 

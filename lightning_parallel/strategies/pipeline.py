@@ -40,7 +40,7 @@ from lightning_parallel import _collectives
 from lightning_parallel import partial as _partial
 from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.blocks import BlockConfig
-from lightning_parallel.mesh import PP, Size, check_size
+from lightning_parallel.mesh import DP, PP, Size, check_size
 from lightning_parallel.pipeline import outer
 from lightning_parallel.pipeline.capture import loss_of
 from lightning_parallel.pipeline.placement import place_blocks
@@ -61,10 +61,12 @@ from lightning_parallel.strategies._logging import (
     recording,
     reduce_records,
     replay_logs,
+    restore_metrics,
+    snapshot_metrics,
 )
 from lightning_parallel.strategies._overlap import GradientBuckets, overlappable
 from lightning_parallel.strategies._processes import SIGTERM_EXIT_CODE
-from lightning_parallel.strategies._stage_local import StageLocalMixin
+from lightning_parallel.strategies._stage_local import OuterShards
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 from lightning_parallel.strategies.microbatches import (
     MicroBatchSteps,
@@ -79,7 +81,7 @@ from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parame
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
 
 
-class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
+class PipelineParallelStrategy(HybridParallelStrategy):
     """Pipeline parallelism over ``pipeline_parallel_size`` stages (x ``data_parallel_size`` replicas).
 
     Args:
@@ -126,8 +128,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         self._sizes["pp"] = pipeline_parallel_size
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
-        self._replicated_names: set[str] = set()
-        self._init_stage_local()
+        self._outer = OuterShards()  # the parameters outside the trunk, stored in shards over the stages
         self._steps_done = 0
 
     # --------------------------------------------------------------------------------- layout
@@ -243,32 +244,67 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
 
     @override
     def _placed(self, lm: Any, trunk: Trunk) -> None:
-        self._find_replicated(lm, trunk)
+        self._attach_outer(lm, trunk)
         self._report_pending = True
 
     @override
     def _shard_outer(self, lm: Any) -> None:
-        super()._shard_outer(lm)
+        if self.parallel_dims.pp > 1:
+            dp = self.parallel_dims.dp if self._fully_sharded else 1
+            self._outer.shard(self._mesh[DP, PP]._flatten("dp_pp") if dp > 1 else self._mesh[PP], dp)  # type: ignore[index]
         if getattr(self, "_report_pending", False):  # what each rank holds once the outer part is sharded
             self._report_pending = False
             self._report_placement(self.runtime.trunk.path, self._placement, parameter_bytes(lm))  # type: ignore[union-attr]
 
-    def _find_replicated(self, lm: Any, trunk: Trunk) -> None:
+    def _attach_outer(self, lm: Any, trunk: Trunk) -> None:
         """The pre/post-trunk parameters (every stage holds them), by name: sharding replaces the objects."""
         in_blocks = {id(p) for b in trunk.blocks for p in b.parameters()}
-        named = lm.named_parameters(remove_duplicate=False)
-        self._replicated_names = {n for n, p in named if id(p) not in in_blocks}
+        names = frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) not in in_blocks)
+        self._outer.attach(lm, names, self.stage, self.loss_stage)
 
     @property
-    def _replicated(self) -> list[nn.Parameter]:
-        """The pre/post-trunk parameters as the module holds them now (a tied pair once)."""
-        lm, seen = self.lightning_module, set()
-        out = []
-        for n, p in lm.named_parameters(remove_duplicate=False) if lm is not None else []:
-            if n in self._replicated_names and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+    def outer_placement(self) -> dict[str, tuple[int, ...]]:
+        """Each sharded pre/post-trunk parameter's name -> the stages that hold it whole during a training step
+        (every stage stores ``1 / pp`` of it); parameters not listed are whole on every stage."""
+        return self._outer.placement
+
+    @property
+    def outer_at_rest(self) -> bool:
+        """Whether the module holds the stored shards (no training step or evaluation loop is using the whole
+        copies of the parameters outside the trunk)."""
+        return self._outer.state == "rest"
+
+    @override
+    def _outer_gradients(self) -> OuterShards:
+        return self._outer
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._outer.stored():
+            return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        with self._outer.stored():
+            return super().optimizer_state(optimizer)
+
+    def _probe_outer(self, step: Callable[[], Any]) -> Callable[[dict[str, nn.Parameter]], Any]:
+        """What the first step's code reads before and after the trunk (:func:`outer.touched`), run without a
+        graph (a live one would pin the parameters), its logs and metric updates dropped."""
+        lm, runtime = self.lightning_module, self.runtime
+        assert runtime is not None
+
+        def probe(watched: dict[str, nn.Parameter]) -> Any:
+            saved = snapshot_metrics(self._metrics.metrics)
+            try:
+                with torch.random.fork_rng(), recording(lm, LogRecorder()), no_fast_paths(), torch.no_grad():
+                    with self.precision_plugin.train_step_context():
+                        trunk_input = runtime.capture_step(step).trunk_input
+                        return outer.touched(runtime.trunk, step, watched, trunk_input, runtime.output_like)
+            finally:
+                restore_metrics(self._metrics.metrics, saved)
+
+        return probe
 
     def _report_placement(self, path: str, placement: list[range], nbytes: int) -> None:
         table = _collectives.all_gather_object((self.global_rank, self.stage, nbytes))
@@ -293,11 +329,11 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         micro, shares = split_microbatches(batch, self.num_microbatches)
         if 0.0 in shares:
             check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
-        self._gather_outer_for_step()  # the sharded pre/post-trunk parameters, whole where they run
-        if not self._outer_decided:  # the first step: which stages run the pre/post-trunk parameters
-            self._place_outer(lambda: lm.training_step(micro[0], *rest, **kwargs))
+        self._outer.gather_for_step()  # the sharded pre/post-trunk parameters, whole where they run
+        if not self._outer.decided:  # the first step: which stages run the pre/post-trunk parameters
+            self._outer.place(self._probe_outer(lambda: lm.training_step(micro[0], *rest, **kwargs)))
         if self._shards_after_commit and not self._fsdp_root:  # full sharding above tp / sp: commit, then shard
-            freed = outer.placeholders(self._freed_outer, self.root_device)
+            freed = outer.placeholders(self._outer.freed, self.root_device)
             with self.precision_plugin.train_step_context(), no_fast_paths(), freed:
                 self._commit_then_fully_shard(runtime.capture_step, lambda: lm.training_step(micro[0], *rest, **kwargs))
         # each micro-batch's loss weight: its token count where the losses are token means (token_mean.py)
@@ -308,7 +344,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         recorder = LogRecorder()
         user = MicroBatchSteps(self._metrics.metrics, lm, micro, shares, rest, kwargs, recorder, weights)
         self._metrics.before_step()
-        freed = outer.placeholders(self._freed_outer, self.root_device)  # the capture pass runs the user's code
+        freed = outer.placeholders(self._outer.freed, self.root_device)  # the capture pass runs the user's code
         runtime.gradients = self._armed_buckets(lm)  # the dp means go in the units' last backward actions
         self._grad_scale = None
         try:
@@ -340,7 +376,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         it. The pre/post-trunk parameters are in none (summed over the stages first, then averaged)."""
         assert self.runtime is not None
         units = self.runtime.gradient_units(self.schedule[self.stage])
-        outer = {id(p) for p in self._replicated}
+        outer = {id(p) for p in self._outer.replicated()}
         mine = {id(p) for p in params if p.requires_grad and not p.is_meta and id(p) not in outer}
         owner: dict[int, int] = {}
         for k, (_, blocks) in enumerate(units):
@@ -413,16 +449,16 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
     @override
     def _shared_over_pp(self, module: nn.Module) -> list[Tensor]:
         # what every stage holds whole: not the shards of the pre/post-trunk parameters
-        return [t for t in super()._shared_over_pp(module) if not self._is_sharded_outer(t)]
+        return [t for t in super()._shared_over_pp(module) if not self._outer.holds(t)]
 
     @override
     def _evaluation_starts(self) -> None:
         super()._evaluation_starts()
-        self._gather_outer()  # lock-step: every stage runs the pre- and post-trunk code
+        self._outer.gather_for_evaluation()  # lock-step: every stage runs the pre- and post-trunk code
 
     @override
     def _evaluation_ends(self) -> None:
-        self._free_outer()
+        self._outer.evaluation_ends()
 
     def _lockstep(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         assert self.runtime is not None
@@ -460,7 +496,7 @@ class PipelineParallelStrategy(StageLocalMixin, HybridParallelStrategy):
         if lm is not None:
             state = lm._trainer.state if lm._trainer is not None else None
             fit_done = state is not None and state.fn == "fit" and state.status == "running"
-            self._outer_to_rest()  # a fit that stopped while gradients accumulated (max_time=, should_stop)
+            self._outer.to_rest()  # a fit that stopped while gradients accumulated (max_time=, should_stop)
             if fit_done and any(t.is_meta for t in [*lm.parameters(), *lm.buffers()]):
                 _partial.guard(lm, self._partial_message(lm))
         super().teardown()

@@ -118,7 +118,7 @@ def _saves_in_validation(rank, world_size, directory):
         def on_validation_end(self, trainer, pl_module):
             path = f"{directory}/batch{len(seen)}.ckpt"
             trainer.save_checkpoint(path)
-            seen.append((path, trainer.strategy.full_state_dict(), trainer.strategy._outer_state))
+            seen.append((path, trainer.strategy.full_state_dict(), trainer.strategy._outer.state))
 
     quick_fit(
         module, data, _pp()(), world_size, steps=2, limit_val_batches=1, val_check_interval=1,
@@ -223,7 +223,7 @@ def _stop_mid_accumulation(rank, world_size):
     before = trainer.strategy.gather_named_parameters()
     trainer.validate(module, datamodule=data)  # set up again: every stage must agree on what it broadcasts
     after = trainer.strategy.gather_named_parameters()
-    return steps, outer, trainer.strategy._outer_state, all(torch.equal(before[k], after[k]) for k in before)
+    return steps, outer, trainer.strategy._outer.state, all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_fit_stopped_while_gradients_accumulate_leaves_the_shards_in_the_module():

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from lightning_parallel.mesh import ParallelDims
-from lightning_parallel.strategies.gradients import GradientPlan, OuterGradients, counts_in_norm
+from lightning_parallel.strategies._stage_local import OuterShards
+from lightning_parallel.strategies.gradients import GradientPlan, counts_in_norm
 
 
 def _plan(dp: int = 1, tp: int = 1, pp: int = 1, at: dict | None = None, mode: str = "replicate", outer=None):
@@ -40,11 +41,13 @@ def test_a_whole_parameter_inside_a_zero_window_counts_on_dp_rank_0_only():
 
 
 def test_a_pre_or_post_trunk_parameter_counts_where_its_stages_say():
-    embedding, block = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
-    here = {id(embedding): False, id(block): None}
-    outer = OuterGradients(lambda: [embedding], lambda: None, lambda p: here[id(p)])
-    assert not counts_in_norm(_plan(pp=2, outer=outer), embedding)
+    model = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 3))  # the embedding outside the trunk, a block inside
+    embedding, block = model[0].weight, model[1].weight
+    outer = OuterShards()
+    outer.attach(model, frozenset({"0.weight"}), stage=1, loss_stage=1)  # nothing sharded: whole on every stage
+    assert outer.counted_here(block) is None and outer.whole() == [embedding]
+    assert not counts_in_norm(_plan(pp=2, outer=outer), embedding)  # counted on the first stage, not this one
     assert counts_in_norm(_plan(pp=2, outer=outer), block)  # not an outer parameter: the tp rule alone
-    here[id(embedding)] = True
+    outer.attach(model, frozenset({"0.weight"}), stage=0, loss_stage=1)
     assert counts_in_norm(_plan(pp=2, outer=outer), embedding)
     assert not counts_in_norm(_plan(pp=2, tp=2, outer=outer, at={"tp": 1}), embedding)
