@@ -36,7 +36,6 @@ from lightning_parallel.strategies._logging import (
     recording,
 )
 from lightning_parallel.strategies._optimizers import drop_parameters
-from lightning_parallel.strategies.microbatches import split_microbatches
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.trunk import Trunk, parameter_bytes
 
@@ -208,21 +207,18 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         return simulate_helix(self.schedule, L, m, self._folds, lambda a: cost(a.kind, a.chunk))
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._splits:
-            self._outer.gather_for_step()  # the capture pass runs the user's code: the embedding whole
-            self._verify_and_place(args[0], args[1:], kwargs)
-        return super().training_step(*args, **kwargs)
+    def _decide_at_first_step(self, step: Callable[[], Any]) -> None:
+        if not self._splits:  # placed by an earlier fit with this strategy otherwise
+            self._verify_and_place(step)
+        super()._decide_at_first_step(step)
 
-    def _verify_and_place(self, batch: Any, rest: tuple, kwargs: dict) -> None:
-        """Split every block at its attention call, verified on the first real micro-batch, then free what this
-        stage does not run and drop it from the optimizers, block by block: a deferred block materialises just
-        before, so no rank holds more than its share and one block whole."""
+    def _verify_and_place(self, step: Callable[[], Any]) -> None:
+        """Split every block at its attention call, verified on the first real micro-batch (``step``), then free
+        what this stage does not run and drop it from the optimizers, block by block: a deferred block
+        materialises just before, so no rank holds more than its share and one block whole."""
         lm, runtime = self.lightning_module, self.runtime
         assert lm is not None and runtime is not None
-        micro, _ = split_microbatches(batch, self.num_microbatches)
         with torch.random.fork_rng(), recording(lm, LogRecorder()), self.precision_plugin.train_step_context():
-            step = lambda: lm.training_step(micro[0], *rest, **kwargs)  # noqa: E731
             cap = runtime.capture_step(step, probe=copy.deepcopy(runtime.trunk.blocks[0]).to("meta"))
         layer = self._blocks
         assert layer is not None

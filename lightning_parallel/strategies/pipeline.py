@@ -330,8 +330,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         if 0.0 in shares:
             check_padding(lm, len(micro) - shares.count(0.0), self.num_microbatches)
         self._outer.gather_for_step()  # the sharded pre/post-trunk parameters, whole where they run
-        if not self._outer.decided:  # the first step: which stages run the pre/post-trunk parameters
-            self._outer.place(self._probe_outer(lambda: lm.training_step(micro[0], *rest, **kwargs)))
+        if not self._outer.decided:
+            self._decide_at_first_step(lambda: lm.training_step(micro[0], *rest, **kwargs))
         if self._shards_after_commit and not self._fsdp_root:  # full sharding above tp / sp: commit, then shard
             freed = outer.placeholders(self._outer.freed, self.root_device)
             with self.precision_plugin.train_step_context(), no_fast_paths(), freed:
@@ -355,6 +355,11 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             armed, runtime.gradients = runtime.gradients is not None, None
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
         return self._finish_step(results, recorder, shares, weights, armed)
+
+    def _decide_at_first_step(self, step: Callable[[], Any]) -> None:
+        """What the first training step decides, on its first micro-batch (``step``): which stages run each
+        pre/post-trunk parameter."""
+        self._outer.place(self._probe_outer(step))
 
     def _armed_buckets(self, lm: Any) -> Optional[GradientBuckets]:
         """The buckets this step's schedule issues (``strategies/_overlap.py``), or ``None``: none made yet (they
