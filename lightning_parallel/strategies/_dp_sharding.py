@@ -31,6 +31,7 @@ from lightning_parallel.strategies._logging import (
 )
 from lightning_parallel.strategies._optimizers import replace_parameters
 from lightning_parallel.strategies._overlap import GradientBuckets, overlappable
+from lightning_parallel.strategies._pending import DeferredInit
 from lightning_parallel.tensor_parallel import local
 from lightning_parallel.trunk import Trunk, discover_trunk
 
@@ -44,7 +45,7 @@ class DataParallelShardingMixin:
     _buckets: Optional[GradientBuckets]
     _fsdp_root: list[torch.nn.Module]
     _shards: dict[int, _sharding.ShardedOptimizer]
-    _materialized: list[Any]
+    _deferred: DeferredInit
     _blocks: Any
     _mesh: Any
     _trunk_path: Optional[str]
@@ -98,7 +99,7 @@ class DataParallelShardingMixin:
 
         def materialize_unit(unit: list[torch.nn.Module]) -> None:
             eager = [t for m in unit for t in [*m.parameters(), *m.buffers()] if not t.is_meta]
-            self._materialized.append(materialize_(lm, device, seed, only=unit, tape=self._tape))
+            self._deferred.unchecked.append(materialize_(lm, device, seed, only=unit, tape=self._deferred.tape))
             _collectives.broadcast_([t.data for t in eager], self.dp_group)
 
         mesh = self._mesh[DP]

@@ -8,13 +8,16 @@ hold a tensor in common, and an error raised on every rank alike (docs/design.md
 from __future__ import annotations
 
 import warnings
+from collections.abc import MutableMapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -28,7 +31,7 @@ from lightning_parallel.init_replay import InitTape, generator
 from lightning_parallel.materialize import check_set, materialize_
 from lightning_parallel.mesh import DP, SP, TP
 from lightning_parallel.strategies._optimizers import Replaced, replace_parameters
-from lightning_parallel.strategies._pending import pending_blocks
+from lightning_parallel.strategies._pending import Holder, pending_blocks
 from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
 from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
 
@@ -76,21 +79,22 @@ class SetupRecipeMixin:
         local, freed = self._place_stages(lm, trunk)
         if first:
             # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
-            # stay on meta, or on the host, until then (:meth:`materialize_pending`): set-up holds this rank's
-            # share only
-            self._pending = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
+            # stay on meta, or on the host, until then (strategies/_pending.py): set-up holds this rank's share
+            blocks = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
+            self._deferred.hold(blocks, Holder(lm, self.root_device, self._mesh, self._block_whole_over,
+                                               lambda: self.optimizers, self._replace_parameters,
+                                               self._materialize_at_first_call, self._lends_pending))  # fmt: skip
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
             vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
             # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
             # so set-up never holds the whole embedding and every block at once
-            self._materialize(lm, [*freed, *self._pending, *(trunk.blocks if vocabulary else [])], trunk)
+            self._materialize(lm, [*freed, *self._deferred.blocks, *(trunk.blocks if vocabulary else [])], trunk)
             if vocabulary:
                 sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
-                self._materialize(lm, [*freed, *self._pending], trunk)
+                self._materialize(lm, [*freed, *self._deferred.blocks], trunk)
             self._placed(lm, trunk)
-            self._hook_pending()
             layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
             self._blocks = layer.install(local)
 
@@ -100,23 +104,25 @@ class SetupRecipeMixin:
         Lightning has restored any checkpoint). A failure on any rank is raised on every rank. Under full
         sharding a deferred model is materialised and sharded one unit at a time (a block, an embedding)."""
         message = None
-        seed = self._init_seed = self._seed()
+        deferred = self._deferred
+        seed = deferred.seed = self._seed()
         try:
             self._fully_shard_deferred(lm, freed, trunk, seed)
-            self._materialized.append(materialize_(lm, self.root_device, seed, skip=freed, tape=self._tape))
-            self._check_due = True
+            deferred.unchecked.append(materialize_(lm, self.root_device, seed, skip=freed, tape=deferred.tape))
+            deferred.check_due = True
         except Exception as err:  # noqa: BLE001  (raised on every rank below, never on one alone)
             message = f"deferred initialisation failed: {type(err).__name__}: {err}"
         self._raise_on_every_rank(message)
 
     def _check_materialized(self) -> None:
-        if not self._check_due:  # the same on every rank (records can be added on one rank alone, e.g. a state
+        deferred = self._deferred
+        if not deferred.check_due:  # the same on every rank (records can be added on one rank alone, e.g. a state
             return  # dict read on rank 0 materialising pending blocks)
-        self._check_due = False
+        deferred.check_due = False
         message = None
-        for record in self._materialized:
+        for record in deferred.unchecked:
             message = message or check_set(record)
-        self._materialized = []
+        deferred.unchecked = []
         self._raise_on_every_rank(message)
 
     def _raise_on_every_rank(self, message: Optional[str]) -> None:
@@ -129,6 +135,44 @@ class SetupRecipeMixin:
     def _seed(self) -> int:
         """Rank 0's seed (``seed_everything``'s, or the process's own): every rank initialises alike."""
         return int(_collectives.broadcast_object(torch.initial_seed(), 0, None))
+
+    _block_whole_over: tuple[str, ...] = (DP, SP, TP)  # the mesh axes whose ranks hold a pending block whole
+
+    def keeps_on_host(self) -> bool:
+        """Whether eager blocks stay in host memory until their first call: where the device is not the host."""
+        return self.root_device.type != "cpu"
+
+    def _deferred_blocks(
+        self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, torch.nn.Module]]
+    ) -> list[torch.nn.Module]:
+        """The blocks of a deferred model materialised at their first call, not at set-up: tensor parallelism
+        shards a block only once its first call has verified the stack, so materialising every block at set-up
+        would hold them all whole."""
+        return [b for _, b in local] if config.tp_mesh is not None or self._shards_after_commit else []
+
+    def _materialize_at_first_call(self, block: torch.nn.Module) -> None:
+        """A pending block's forward pre-hook (and helix's and full sharding's commits call it)."""
+        self._deferred.first_call(block)
+
+    def _lends_pending(self) -> bool:
+        """Whether a pending block called now is lent (materialised for this call only) rather than kept: helix
+        evaluating before its first step has split the blocks (every stage runs every block then)."""
+        return False
+
+    def states_to_device(self) -> None:
+        """Lightning's ``_optimizers_to_device`` at set-up, except for the parameters kept on the host (their
+        state, e.g. built at construction, moves with them at their first call)."""
+        host, device = self._deferred.host_tensors(), self.root_device
+        for opt in self.optimizers:
+            for p, state in opt.state.items():
+                if id(p) in host:
+                    continue
+                if not isinstance(state, MutableMapping):  # a custom optimizer's state
+                    opt.state[p] = apply_to_collection(state, torch.Tensor, move_data_to_device, device)
+                    continue
+                for key, value in state.items():
+                    if key != "step":  # where torch wants it (pytorch/pytorch#74424)
+                        state[key] = move_data_to_device(value, device)
 
     def _shard_outer(self, lm: LightningModule) -> None:
         """After the set-up broadcast, before the optimizers: the pipeline strategies store the parameters
@@ -171,7 +215,7 @@ class SetupRecipeMixin:
         parallel shards only along dp and sp); along pp what every stage holds (:meth:`_shared_over_pp`)."""
         if self._mesh is None:
             return
-        host = self._host_tensors()  # eager blocks kept on the host: broadcast one at a time, below
+        host = self._deferred.host_tensors()  # eager blocks kept on the host: broadcast one at a time, below
         held = [t for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta" and id(t) not in host]
         dims = self.parallel_dims
         for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
@@ -182,7 +226,7 @@ class SetupRecipeMixin:
         if dims.pp > 1:
             shared = [t for t in self._shared_over_pp(module) if id(t) not in host]
             _collectives.broadcast_([local(t.data) for t in shared], self.pp_group)
-        self._sync_host_blocks()
+        self._deferred.sync_host_blocks()
 
     def _shared_over_pp(self, module: torch.nn.Module) -> list[Tensor]:
         """The tensors every pipeline stage holds: those outside the trunk's blocks."""
@@ -196,7 +240,7 @@ class SetupRecipeMixin:
         """Move what is materialised: freed blocks, deferred (meta) tensors and the eager blocks kept on the host
         until their first call stay where they are."""
         assert self.model is not None
-        materialised_to(self.model, self.root_device, skip=self._host_tensors())
+        materialised_to(self.model, self.root_device, skip=self._deferred.host_tensors())
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Any:
@@ -242,7 +286,7 @@ class SetupRecipeMixin:
             if _collectives.world_size() > 1:  # every rank replays from rank 0's state, as one process would
                 start = _collectives.broadcast_object(start, 0, None)  # type: ignore[assignment]
             tape.close(self.root_device, start)
-            self._tape = tape
+            self._deferred.tape = tape
 
 
 def check_config_heads(block: torch.nn.Module, tp: int, ulysses: int) -> None:

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_parallel import _collectives, rng
 from lightning_parallel import checkpoint as _checkpoint
 from lightning_parallel.errors import CheckpointError
+from lightning_parallel.strategies._pending import DeferredInit, OptimizerSource, Source
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
 
@@ -27,12 +28,22 @@ class StateMixin:
     _tp_layout: Optional[TensorParallelLayout]
     _group_names: list[list[list[str]]]
 
-    def materialize_deferred(self) -> None:
-        """Deferred blocks still on meta get their values (``HybridParallelStrategy``): the methods below that
-        read the model's values whole first call this (no collective)."""
+    _deferred: DeferredInit
 
-    def defer_restore(self, model: Any = None, optimizer: Any = None) -> None:
-        """Values for blocks still on meta, read when each materialises (``HybridParallelStrategy``)."""
+    def materialize_deferred(self) -> None:
+        """Deferred blocks still on meta get their values (:class:`DeferredInit`; eager ones kept on the host stay
+        there, readable and writable): the methods below that read the model's values whole first call this (no
+        collective)."""
+        self._deferred.materialize(self._deferred.on_meta())
+
+    def defer_restore(self, model: Optional[Source] = None, optimizer: Optional[OptimizerSource] = None) -> None:
+        """Values loaded now for blocks still pending, read when each materialises
+        (:meth:`DeferredInit.defer_restore`)."""
+        self._deferred.defer_restore(model, optimizer)
+
+    def pending_names(self) -> set[str]:
+        """The LightningModule's state-dict names of the deferred (meta) pending blocks' tensors."""
+        return self._deferred.names()
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # type: ignore[misc]
@@ -121,7 +132,7 @@ class StateMixin:
             # only what this rank holds is read; a block still pending (on meta) reads its keys when it
             # materialises (``lp_deferred``: the restore below registers the directory as its source)
             checkpoint = _checkpoint.load_sharded(path, held, weights_only)
-            if getattr(self, "_pending", None):
+            if self._deferred.blocks:
                 checkpoint["lp_deferred"] = path
             return checkpoint
         self.materialize_deferred()  # a plain file is read whole: restored into the blocks whole

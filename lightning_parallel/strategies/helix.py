@@ -59,6 +59,7 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     strategy_name = "helix"
     _cuts_blocks = True
     strategy_description = "lightning-parallel: HelixPipe attention-parallel pipeline (arXiv 2507.00394)"
+    _block_whole_over = (DP, PP, SP, TP)  # every helix rank holds a block whole until it is split
 
     def __init__(
         self,
@@ -159,10 +160,6 @@ class HelixParallelStrategy(PipelineParallelStrategy):
             return super()._shared_over_pp(module)
         tensors = module.state_dict(keep_vars=True).values()
         return [t for t in tensors if not t.is_meta and not self._outer.holds(t)]
-
-    @override
-    def _broadcast_block(self, block: nn.Module, axes: tuple[str, ...] = ()) -> None:
-        super()._broadcast_block(block, (DP, PP, SP, TP))  # every helix rank holds a block whole until it is split
 
     @override
     def _deferred_blocks(self, config: BlockConfig, trunk: Trunk, local: list[tuple[int, nn.Module]]) -> list[Any]:

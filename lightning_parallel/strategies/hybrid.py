@@ -44,7 +44,6 @@ from typing_extensions import override
 from lightning_parallel import _collectives, _p2p, watchdog
 from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockConfig, BlockLayer
-from lightning_parallel.init_replay import InitTape
 from lightning_parallel.mesh import AXES, DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
@@ -54,7 +53,7 @@ from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper, TokenMeanLogs, recording
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
 from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
-from lightning_parallel.strategies._pending import PendingBlocksMixin
+from lightning_parallel.strategies._pending import DeferredInit
 from lightning_parallel.strategies._processes import ProcessesMixin
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
 from lightning_parallel.strategies._sharding import Sharding, check_sharding
@@ -77,7 +76,6 @@ def _blocks_of(module: LightningModule, path: Optional[str]) -> list[torch.nn.Mo
 
 
 class HybridParallelStrategy(
-    PendingBlocksMixin,
     DataParallelShardingMixin,
     StateMixin,
     SetupRecipeMixin,
@@ -229,18 +227,7 @@ class HybridParallelStrategy(
         self._vocabulary_parallel = vocabulary_parallel
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
-        self._materialized: list[Any] = []  # deferred tensors created at set-up, checked when the loop starts
-        self._check_due = False  # set by every rank's set-up: the check's collective runs on all of them
-        self._pending: list[torch.nn.Module] = []  # deferred blocks held here, materialised at their first call
-        self._pending_hooks: dict[int, list[Any]] = {}  # id(block) -> its hooks (materialise; lent: give back)
-        self._borrowed: dict[int, list[Any]] = {}  # id(block) -> its meta tensors, while lent for one call
-        self._constructed: set[tuple[int, int]] = set()  # (optimizer, pending parameter): state made at construction
-        self._lent: dict[int, bool] = {}  # id(block) -> whether its next lend (helix evaluation) broadcasts
-        self._host_data: dict[int, list[Any]] = {}  # id(block) -> its host memory while lent to the device
-        self._sources: list[Any] = []  # values loaded while blocks were pending, read as each materialises
-        self._optimizer_source: Optional[Any] = None  # likewise, restored optimizer state
-        self._init_seed = 0  # rank 0's seed, which deferred initialisation uses
-        self._tape: Optional[InitTape] = None  # configure_model's calls on meta, replayed per tensor until all held
+        self._deferred = DeferredInit()  # configure_model's tape, the seed, the blocks pending until their first call
         self._fsdp_root: list[torch.nn.Module] = []  # data_parallel_sharding="full": the units' root, once applied
         self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
         self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
@@ -282,8 +269,10 @@ class HybridParallelStrategy(
             metric.process_group = self.dp_group  # a replica's samples are counted once, never per pp/sp/tp rank
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
-            self._drop_constructed_state(trainer)  # Adagrad's sum made on meta
-            pending = {id(p) for b in self._pending for p in b.parameters()}  # replaced when they materialise
+            if not self._deferred.drop_constructed_state():  # Adagrad's sum made on meta, not to be built again
+                self.materialize_deferred()
+                self.setup_optimizers(trainer)
+            pending = {id(p) for b in self._deferred.blocks for p in b.parameters()}  # replaced when they materialise
             drop_parameters(self.optimizers, {id(p) for p in lm.parameters() if p.is_meta and id(p) not in pending})
             if self._sharded or self._fully_sharded:
                 if getattr(self.precision_plugin, "precision", None) == "16-mixed":
@@ -415,7 +404,7 @@ class HybridParallelStrategy(
     ) -> Any:
         def closure_then_sync() -> Any:
             out = closure()  # forward + backward of the step (or of the whole pipeline schedule)
-            self.materialize_pending()  # a deferred block this step never called: the optimizer steps real tensors
+            self._deferred.materialize()  # a deferred block this step never called: the optimizer steps real tensors
             self.sync_gradients(optimizer)  # before the precision plugin clips and steps
             avoid_mixed_foreach(optimizer)  # the closure runs inside optimizer.step, before its update
             return out

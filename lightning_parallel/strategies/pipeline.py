@@ -312,7 +312,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         sizes = [len(r) for r in placement]
         lines = [f"{self.strategy_name} over {path!r}: {len(placement)} chunks, blocks per chunk {sizes}"]
         lines += [f"  rank {r}: stage {s}, {b / 2**20:.2f} MiB of parameters" for r, s, b in table]
-        deferred = sum(any(p.is_meta for p in b.parameters()) for b in self._pending)
+        deferred = sum(any(p.is_meta for p in b.parameters()) for b in self._deferred.blocks)
         if deferred:  # the same count on every rank of this layout
             lines.append(f"  not counted yet: {deferred} deferred block(s) per rank, materialised at their first call")
         rank_zero_info("\n".join(lines))

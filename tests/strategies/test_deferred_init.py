@@ -86,11 +86,11 @@ class _KeepsOnHost:
 
     def setup(self, trainer):
         super().setup(trainer)
-        kept = self._on_host()
-        assert kept and len(kept) == len(self._pending), (len(kept), len(self._pending))
+        kept = self._deferred.on_host()
+        assert kept and len(kept) == len(self._deferred.blocks), (len(kept), len(self._deferred.blocks))
 
     def on_train_end(self):
-        assert not self._pending  # every block moved at its first call
+        assert not self._deferred.blocks  # every block moved at its first call
         super().on_train_end()
 
 
@@ -485,7 +485,7 @@ def _validate_a_checkpoint(rank: int, world: int, ckpt: str) -> tuple[float, flo
     module.validation_step = uneven
     second = trainer(2)
     restored = second.validate(module, datamodule=data, ckpt_path=ckpt, verbose=False)[0]["val_loss"]
-    pending = len(second.strategy._pending)  # validation lent each block: none stays materialised
+    pending = len(second.strategy._deferred.blocks)  # validation lent each block: none stays materialised
     return after_fit, restored, pending
 
 
@@ -510,7 +510,7 @@ def _host_sanity(rank: int, world: int, sanity: int) -> tuple[dict, int]:
 
     class Count(L.Callback):
         def on_sanity_check_end(self, trainer, pl_module):
-            seen.append(len(strategy._pending))  # every block lent to the sanity check, none kept
+            seen.append(len(strategy._deferred.blocks))  # every block lent to the sanity check, none kept
 
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,

@@ -36,7 +36,8 @@ class _Loading(DeferredHFCausalLM):
 
     def on_fit_start(self) -> None:
         self.unused = load_pretrained(self.model, self.directory, self.trainer)
-        pending = getattr(self.trainer.strategy, "_pending", [])  # blocks awaiting their first call: read then
+        deferred = getattr(self.trainer.strategy, "_deferred", None)  # ours: blocks awaiting their first call
+        pending = deferred.blocks if deferred is not None else []  # (read then)
         self.pending = (len(pending), all(t.is_meta for b in pending for t in b.state_dict().values()))
 
     def on_train_start(self) -> None:  # before any step: what the load left, gathered whole by name
