@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -36,7 +37,7 @@ from lightning_parallel.tensor_parallel import local
 from lightning_parallel.trunk import Trunk, discover_trunk
 
 
-class DataParallelShardingMixin:
+class DataParallelShardingMixin(ParallelStrategy):
     """Mixed into ``HybridParallelStrategy`` ahead of the state and tensor-parallel mixins (its overrides
     call theirs)."""
 
@@ -51,12 +52,9 @@ class DataParallelShardingMixin:
     _trunk_path: Optional[str]
     _vocabulary_parallel: bool
     _tp_layout: Any
-    lightning_module: Any
-    optimizers: list[Optimizer]
     parallel_dims: Any
     coordinate: dict[str, int]
     dp_group: Any
-    root_device: torch.device
 
     def _prepare_buckets(self, loss: torch.Tensor) -> None:
         """Before the step's backward: the buckets learn which parameters its graph reaches."""

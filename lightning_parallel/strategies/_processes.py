@@ -20,6 +20,7 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -35,7 +36,7 @@ from lightning_parallel.strategies._full_shard import check_full
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
-class ProcessesMixin:
+class ProcessesMixin(ParallelStrategy):
     """The layout, mesh, launcher and process group of :class:`~lightning_parallel.HybridParallelStrategy`
     (it sets ``_sizes``, ``_given``, ``_dims``, ``_mesh``, ``_num_nodes``, ``_start_method``, ``_timeout`` and
     ``_process_group_backend`` in its constructor)."""

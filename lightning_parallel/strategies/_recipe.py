@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -53,7 +54,7 @@ def sharded_along(t: Tensor, axis: str) -> bool:
     return any(axis in n.split("_") and not p.is_replicate() for n, p in zip(names, t.placements))
 
 
-class SetupRecipeMixin:
+class SetupRecipeMixin(ParallelStrategy):
     """The set-up recipe of :class:`~lightning_parallel.HybridParallelStrategy` (module docstring); the pipeline
     strategies override its hooks ``_place_stages``, ``_placed``, ``_shard_outer`` and ``_needs_trunk``."""
 

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
@@ -22,8 +23,9 @@ from lightning_parallel.strategies._pending import DeferredInit, OptimizerSource
 from lightning_parallel.tensor_parallel import TensorParallelLayout
 
 
-class StateMixin:
-    """Mixed into ``HybridParallelStrategy``; ``_tp_layout`` is set when blocks are tensor-parallel."""
+class StateMixin(ParallelStrategy):
+    """``HybridParallelStrategy``'s model and optimizer state hooks (typed against Lightning's base, which they
+    override); ``_tp_layout`` is set when blocks are tensor-parallel."""
 
     _tp_layout: Optional[TensorParallelLayout]
     _group_names: list[list[list[str]]]
@@ -46,10 +48,10 @@ class StateMixin:
         return self._deferred.names()
 
     def setup_optimizers(self, trainer: Trainer) -> None:
-        super().setup_optimizers(trainer)  # type: ignore[misc]
-        lm = self.lightning_module  # type: ignore[attr-defined]
+        super().setup_optimizers(trainer)
+        lm = self.lightning_module
         # the full, ordered parameter names of every group, before a pipeline drops other stages' parameters
-        self._group_names = [_checkpoint.group_names(lm, opt) for opt in self.optimizers]  # type: ignore[attr-defined]
+        self._group_names = [_checkpoint.group_names(lm, opt) for opt in self.optimizers]
 
     def _on_disk(self, name: str, value: Any) -> Any:
         """A tensor as the checkpoint holds it: DTensor shards stay shards (DCP writes each once), except a
@@ -77,12 +79,12 @@ class StateMixin:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model under the original names."""
         self.materialize_deferred()
-        local = _checkpoint.local_state_dict(self.lightning_module)  # type: ignore[attr-defined]
+        local = _checkpoint.local_state_dict(self.lightning_module)
         return {k: self._on_disk(k, v) for k, v in local.items()}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         self.materialize_deferred()
-        state = _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)  # type: ignore[attr-defined]
+        state = _checkpoint.optimizer_state_by_name(self.lightning_module, optimizer)
         state["state"] = {n: {k: self._on_disk(n, v) for k, v in s.items()} for n, s in state["state"].items()}
         return state
 
@@ -92,20 +94,20 @@ class StateMixin:
         names = getattr(self, "_group_names", [])
         checkpoint = {  # each rank's generators (dropout masks after a resume): written by that rank
             **checkpoint,
-            _checkpoint.RNG: {str(self.global_rank): rng.states(self.root_device)},  # type: ignore[attr-defined]
+            _checkpoint.RNG: {str(self.global_rank): rng.states(self.root_device)},
             "lp_rng_world_size": _collectives.world_size(),
         }
         if getattr(self, "_save_distributed", True):
-            _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)  # type: ignore[attr-defined]
+            _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)
             return
         # one consolidated file (like ModelParallelStrategy(save_distributed_checkpoint=False)): the shards are
         # written as usual next to it, then rank 0 reads them whole, writes the plain checkpoint atomically, and
         # removes them
         path = os.fspath(filepath)
         shards = path + ".shards"
-        _checkpoint.save_sharded(checkpoint, shards, names, self.is_global_zero)  # type: ignore[attr-defined]
+        _checkpoint.save_sharded(checkpoint, shards, names, self.is_global_zero)
         error = None
-        if self.is_global_zero:  # type: ignore[attr-defined]
+        if self.is_global_zero:
             try:
                 _checkpoint.export(shards, path + ".partial", weights_only=False)  # written just now, here
                 os.replace(path + ".partial", path)
@@ -127,7 +129,7 @@ class StateMixin:
         """A sharded directory (any layout) or a plain single-file Lightning checkpoint."""
         path = os.fspath(checkpoint_path)
         if os.path.isdir(path):
-            lm = self.lightning_module  # type: ignore[attr-defined]
+            lm = self.lightning_module
             held = [n for n, t in lm.state_dict(keep_vars=True).items() if not t.is_meta] if lm is not None else None
             # only what this rank holds is read; a block still pending (on meta) reads its keys when it
             # materialises (``lp_deferred``: the restore below registers the directory as its source)
@@ -136,7 +138,7 @@ class StateMixin:
                 checkpoint["lp_deferred"] = path
             return checkpoint
         self.materialize_deferred()  # a plain file is read whole: restored into the blocks whole
-        return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
+        return super().load_checkpoint(path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         deferred = checkpoint.get("lp_deferred")
@@ -144,7 +146,7 @@ class StateMixin:
             self.materialize_deferred()
         else:  # the pending blocks read their values from the directory when they materialise
             self.defer_restore(model=lambda names: _checkpoint.read_entries(deferred, names, 0)[0])
-        lm = self.lightning_module  # type: ignore[attr-defined]
+        lm = self.lightning_module
         state = checkpoint["state_dict"]
         if strict:
             present = checkpoint.get("lp_state_keys", state)  # a partial read lists every key it skipped too
@@ -167,9 +169,9 @@ class StateMixin:
         """This rank's default generators as they were at the save (:mod:`lightning_parallel.rng`), under the same
         number of processes only (another layout draws other numbers whatever the state)."""
         saved = checkpoint.get(_checkpoint.RNG) or {}
-        mine = saved.get(str(self.global_rank))  # type: ignore[attr-defined]
+        mine = saved.get(str(self.global_rank))
         if mine is not None and checkpoint.get("lp_rng_world_size") == _collectives.world_size():
-            rng.restore(mine, self.root_device)  # type: ignore[attr-defined]
+            rng.restore(mine, self.root_device)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Optimizer state by parameter name onto the parameters each rank's optimizer holds; a plain
@@ -178,8 +180,8 @@ class StateMixin:
         deferred = checkpoint.get("lp_deferred")
         if deferred is None:
             self.materialize_deferred()
-        lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]  # type: ignore[attr-defined]
-        optimizers = self.optimizers  # type: ignore[attr-defined]
+        lm, saved_states = self.lightning_module, checkpoint["optimizer_states"]
+        optimizers = self.optimizers
         if len(saved_states) != len(optimizers):
             raise CheckpointError(
                 f"the checkpoint holds {len(saved_states)} optimizer state(s), configure_optimizers returned"
@@ -202,7 +204,7 @@ class StateMixin:
     def _full_local_parameters(self) -> dict[str, Tensor]:
         """This rank's materialised parameters, whole (tensor-parallel shards gathered: a collective)."""
         self.materialize_deferred()
-        lm = self.lightning_module  # type: ignore[attr-defined]
+        lm = self.lightning_module
         layout = self._tp_layout
         out = {}
         for name, p in lm.named_parameters():
@@ -220,7 +222,7 @@ class StateMixin:
         from lightning_parallel.partial import partial_allowed
 
         self.materialize_deferred()
-        lm, layout = self.lightning_module, self._tp_layout  # type: ignore[attr-defined]
+        lm, layout = self.lightning_module, self._tp_layout
         with partial_allowed():
             state = lm.state_dict()
         # one copy of each tensor is sent: from the ranks at dp, sp and tp coordinate 0 (every stage has one)
