@@ -79,6 +79,8 @@ class BlockLayer:
     layouts: Layouts = field(default_factory=Layouts)
     on_replace: Callable[[list[tuple[nn.Parameter, nn.Parameter, str]]], None] | None = None
     """Called at commit with ``(old parameter, new parameter, full name)`` of each replaced parameter."""
+    before_commit: Callable[[nn.Module], None] | None = None
+    """Called with a block just before its stack is resolved and committed (a deferred block materialises)."""
     runners: dict[int, BlockRunner] = field(default_factory=dict)
     winner: str | None = None  # the source of anatomy the first block verified with (the others try it first)
     proven: set[tuple] = field(default_factory=set)  # (source, fingerprint) of the blocks verified so far
@@ -139,18 +141,14 @@ class BlockLayer:
         return [m.get_group() for m in (self.config.tp_mesh, self.config.sp_mesh) if m is not None and m.size() > 1]
 
     # ------------------------------------------------------------------------------ commit
-    def commit_all(
-        self, x: Tensor, block_args: list[tuple[tuple, dict]], before: Callable[[nn.Module], None] | None = None
-    ) -> None:
+    def commit_all(self, x: Tensor, block_args: list[tuple[tuple, dict]]) -> None:
         """Resolve, verify and commit every runner not committed yet, in block order, each on ``x`` (the trunk's
         input: verification needs a real hidden state of the right shape, any block's) with its block's own
-        captured arguments; ``before(block)`` runs first (a deferred block materialises). Used where something
-        must see every block's final parameters before the first step (FSDP2 over tensor-parallel shards)."""
+        captured arguments. Used where something must see every block's final parameters before the first step
+        (FSDP2 over tensor-parallel shards)."""
         for index in sorted(self.runners):
             runner = self.runners[index]
             if runner.stack is None:
-                if before is not None:
-                    before(runner.block)
                 args, kwargs = block_args[index]
                 self.install_runner(runner, x, args, kwargs)
 
@@ -162,8 +160,11 @@ class BlockLayer:
         return runner
 
     def install_runner(self, runner: BlockRunner, x: Tensor, args: tuple, kwargs: dict) -> None:
-        """Resolve, verify and commit ``runner``'s stack on its first real input."""
+        """Resolve, verify and commit ``runner``'s stack on its first real input (the block materialised first:
+        :attr:`before_commit`)."""
         block, config = runner.block, self.config
+        if self.before_commit is not None:
+            self.before_commit(block)
         if not config.needs_anatomy:
             runner.stack = self.compiled(runner.index, compose(block, runner.index, None, config, self.layouts))
             return

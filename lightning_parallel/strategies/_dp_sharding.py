@@ -147,7 +147,7 @@ class DataParallelShardingMixin(ParallelStrategy):
         held = [runner.block for _, runner in sorted(layer.runners.items())]
         freed = [b for b in layer.trunk.blocks if not any(b is h for h in held)]
         with torch.inference_mode(False):  # parameters for training, also when an evaluation comes first
-            layer.commit_all(x, cap.block_args, before=self._materialize_at_first_call)
+            layer.commit_all(x, cap.block_args)
             before = dict(lm.named_parameters())  # the commits' shards (the optimizers hold these now)
             mesh, outer = self._mesh[DP], self.parallel_dims.pp == 1
             self._fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer)

@@ -52,7 +52,7 @@ class Holder:
     whole_over: tuple[str, ...]  # the mesh axes whose ranks all hold a pending block whole
     optimizers: Callable[[], list[Optimizer]]
     replace: Callable[[list[tuple[nn.Parameter, nn.Parameter, str]]], None]  # the optimizers take new parameters
-    first_call: Callable[[nn.Module], None]  # what a pending block's first call runs (:meth:`DeferredInit.first_call`)
+    first_call: Callable[[nn.Module], None]  # the strategy's hook to :meth:`DeferredInit.first_call`
     lends: Callable[[], bool]  # whether a block called now is lent for the call only (helix evaluating early)
 
 
@@ -73,8 +73,11 @@ class DeferredInit:
         self._sources: list[Source] = []  # values loaded while blocks were pending, read as each materialises
         self._optimizer_source: Optional[OptimizerSource] = None  # likewise, restored optimizer state
 
-    def hold(self, blocks: list[nn.Module], holder: Holder) -> None:
-        """At set-up: ``blocks`` (:func:`pending_blocks`) wait for their first call, by a forward pre-hook."""
+    def hold(self, blocks: list[nn.Module], holder: Holder, runners: list[nn.Module]) -> None:
+        """At set-up: ``blocks`` (:func:`pending_blocks`) wait for their first call: in the block layer's commit
+        where they have a runner (``runners``: the layer calls :attr:`Holder.first_call` before composing), else
+        by a forward pre-hook (HelixPipe's blocks, run by its runtime, lent to an evaluation before the first
+        step has split them)."""
         self.blocks, self._holder = list(blocks), holder
         self._hooks = {
             id(b): [
@@ -82,6 +85,7 @@ class DeferredInit:
                 b.register_forward_hook(_after_call_hook(self), always_call=True),
             ]
             for b in self.blocks
+            if not any(b is r for r in runners)
         }
         self._borrowed, self._lent, self._host_data = {}, {}, {}
 
@@ -161,7 +165,7 @@ class DeferredInit:
             if not _has_meta(block):  # an eager block kept on the host: its values are synchronised already
                 self._to_device(block)
                 self.blocks = [b for b in self.blocks if b is not block]
-                for handle in self._hooks.pop(id(block)):
+                for handle in self._hooks.pop(id(block), []):
                     handle.remove()
                 continue
             name = prefix[id(block)]
@@ -173,7 +177,7 @@ class DeferredInit:
                 self._restore_values(block, name)
                 after = dict(block.named_parameters())
                 self.blocks = [b for b in self.blocks if b is not block]
-                for handle in self._hooks.pop(id(block)):
+                for handle in self._hooks.pop(id(block), []):
                     handle.remove()
                 new = [(before[n], after[n], f"{name}.{n}") for n in before if after[n] is not before[n]]
                 at.replace(new)

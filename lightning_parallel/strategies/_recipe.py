@@ -81,10 +81,11 @@ class SetupRecipeMixin(ParallelStrategy):
         if first:
             # blocks whose first call replaces their parameters (by shards, or by the stage's part of a split)
             # stay on meta, or on the host, until then (strategies/_pending.py): set-up holds this rank's share
+            # (a block with a runner materialises when the block layer commits it; the others at their first call)
             blocks = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
-            self._deferred.hold(blocks, Holder(lm, self.root_device, self._mesh, self._block_whole_over,
-                                               lambda: self.optimizers, self._replace_parameters,
-                                               self._materialize_at_first_call, self._lends_pending))  # fmt: skip
+            holder = Holder(lm, self.root_device, self._mesh, self._block_whole_over, lambda: self.optimizers,
+                            self._replace_parameters, self._materialize_at_first_call, self._lends_pending)  # fmt: skip
+            self._deferred.hold(blocks, holder, runners=[b for _, b in local])
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:
             vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
@@ -96,7 +97,8 @@ class SetupRecipeMixin(ParallelStrategy):
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
                 self._materialize(lm, [*freed, *self._deferred.blocks], trunk)
             self._placed(lm, trunk)
-            layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters)
+            layer = BlockLayer(trunk, config, Layouts.for_config(config), on_replace=self._replace_parameters,
+                               before_commit=self._materialize_at_first_call)  # fmt: skip
             self._blocks = layer.install(local)
 
     def _materialize(self, lm: LightningModule, freed: list[torch.nn.Module], trunk: Optional[Trunk]) -> None:

@@ -220,7 +220,6 @@ class HelixParallelStrategy(PipelineParallelStrategy):
         layer = self._blocks
         assert layer is not None
         for j, block in enumerate(runtime.trunk.blocks):  # one block whole at a time
-            self._materialize_at_first_call(block)  # a deferred block, kept on meta until now
             # the block layer shards it under tensor parallelism (the optimizers take the new parameters)
             runner = layer.commit(j, block, cap.trunk_input.detach(), *cap.block_args[j])
             self._splits.append(runner.stack)
