@@ -185,7 +185,7 @@ class ProcessesMixin(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A connection error caused by a peer that died: say which, first (its traceback never comes)."""
         watchdog.disarm()  # the error is reported from here on
-        peers = getattr(self, "_peers", None)
+        peers = self._peers
         if peers and _failures.is_connection_failure(exception):
             line = _failures.dead_peers_line(peers, self.global_rank)
             if line:

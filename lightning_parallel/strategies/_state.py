@@ -28,7 +28,8 @@ class StateMixin(ParallelStrategy):
     override); ``_tp_layout`` is set when blocks are tensor-parallel."""
 
     _tp_layout: Optional[TensorParallelLayout]
-    _group_names: list[list[list[str]]]
+    _group_names: list[list[list[str]]]  # per optimizer, its groups' full parameter names (set-up's)
+    _save_distributed: bool
 
     _deferred: DeferredInit
 
@@ -91,13 +92,13 @@ class StateMixin(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} saves DCP directories; storage_options are not supported")
-        names = getattr(self, "_group_names", [])
+        names = self._group_names
         checkpoint = {  # each rank's generators (dropout masks after a resume): written by that rank
             **checkpoint,
             _checkpoint.RNG: {str(self.global_rank): rng.states(self.root_device)},
             "lp_rng_world_size": _collectives.world_size(),
         }
-        if getattr(self, "_save_distributed", True):
+        if self._save_distributed:
             _checkpoint.save_sharded(checkpoint, filepath, names, self.is_global_zero)
             return
         # one consolidated file (like ModelParallelStrategy(save_distributed_checkpoint=False)): the shards are

@@ -224,6 +224,7 @@ class HybridParallelStrategy(
         self._grad_scale: Optional[float] = None  # the pipeline's token-mean factor, applied after the buckets' means
         self._gradient_plan: Optional[gradients.GradientPlan] = None  # built at set-up
         self._save_distributed = save_distributed_checkpoint
+        self._group_names: list[list[list[str]]] = []  # set with the optimizers (StateMixin.setup_optimizers)
         self._vocabulary_parallel = vocabulary_parallel
         check_sharding(data_parallel_sharding)
         self._dp_sharding = data_parallel_sharding
@@ -247,6 +248,7 @@ class HybridParallelStrategy(
         self._first_step = True  # the first training batch is still to start (bounded by the watchdog)
         self._start_method = start_method
         self._num_nodes = 1
+        self._peers: Optional[list[Any]] = None  # every rank's host and pid, once the process group exists
         self._dims: Optional[ParallelDims] = None
         self._mesh: Optional[DeviceMesh] = None
         self._lanes: Optional[_p2p.Lanes] = None

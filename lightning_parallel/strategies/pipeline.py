@@ -129,6 +129,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self.runtime: Optional[PipelineRuntime] = None
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
         self._outer = OuterShards()  # the parameters outside the trunk, stored in shards over the stages
+        self._report_pending = False  # the placement is reported once the outer part is sharded
         self._steps_done = 0
 
     # --------------------------------------------------------------------------------- layout
@@ -252,7 +253,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         if self.parallel_dims.pp > 1:
             dp = self.parallel_dims.dp if self._fully_sharded else 1
             self._outer.shard(self._mesh[DP, PP]._flatten("dp_pp") if dp > 1 else self._mesh[PP], dp)  # type: ignore[index]
-        if getattr(self, "_report_pending", False):  # what each rank holds once the outer part is sharded
+        if self._report_pending:  # what each rank holds once the outer part is sharded
             self._report_pending = False
             self._report_placement(self.runtime.trunk.path, self._placement, parameter_bytes(lm))  # type: ignore[union-attr]
 
@@ -524,13 +525,13 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         """Print the traceback and leave now: peers blocked on this rank see "connection closed" within
         about a second and fail in turn, instead of waiting for the process-group timeout."""
         if isinstance(exception, SIGTERMException) and self.world_size > 1:
-            _failures.mark_raised(getattr(self, "_peers", None), self.global_rank)  # stopped, not killed
+            _failures.mark_raised(self._peers, self.global_rank)  # stopped, not killed
             sys.stderr.write(f"[rank {self.global_rank}] stopped by SIGTERM (exit code {SIGTERM_EXIT_CODE})\n")
             sys.stderr.flush()
             sys.stdout.flush()
             os._exit(SIGTERM_EXIT_CODE)
         if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
-            peers = getattr(self, "_peers", None)
+            peers = self._peers
             # only a connection failure can mean a dead peer: looking for one waits up to 10 s, which every rank
             # of a job that raised the same error (bad input) would otherwise spend
             connection = peers and _failures.is_connection_failure(exception)
