@@ -154,7 +154,8 @@ class SetupRecipeMixin(ParallelStrategy):
         return [b for _, b in local] if config.tp_mesh is not None or self._shards_after_commit else []
 
     def _materialize_at_first_call(self, block: torch.nn.Module) -> None:
-        """A pending block's forward pre-hook (and helix's and full sharding's commits call it)."""
+        """What a pending block's first call runs: the block layer calls it just before it commits the block
+        (``before_commit``); HelixPipe's blocks, which have no runner, through a forward pre-hook."""
         self._deferred.first_call(block)
 
     def _lends_pending(self) -> bool:

@@ -30,7 +30,6 @@ class StateMixin(ParallelStrategy):
     _tp_layout: Optional[TensorParallelLayout]
     _group_names: list[list[list[str]]]  # per optimizer, its groups' full parameter names (set-up's)
     _save_distributed: bool
-
     _deferred: DeferredInit
 
     def materialize_deferred(self) -> None:

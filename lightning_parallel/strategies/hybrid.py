@@ -11,9 +11,10 @@ dtype. The pipeline runtime calls blocks directly and moves gradients between bu
 which DDP's autograd-hook reducer cannot follow; one explicit all-reduce at the step works for every
 layout and, with gradient accumulation, runs once per optimizer step rather than per micro-batch.
 
-Over 400 lines because it is the one place each Lightning hook of the strategies is overridden (set-up, the
-step, backward, the optimizer step, reductions, the loops' starts and ends, teardown) and holds the constructor's
-argument reference; the mechanisms are its mixins and :mod:`lightning_parallel.strategies.gradients`.
+Over 400 lines because it overrides the Lightning hooks every layout shares (set-up, the step, backward, the
+optimizer step, reductions, the loops' starts and ends, teardown) and holds the constructor's argument reference;
+the other hooks are grouped by concern in ``_processes``, ``_recipe``, ``_state`` and ``_dp_sharding``, and the
+state lives in parts (docs/design.md, "Parts and hook groups") and :mod:`lightning_parallel.strategies.gradients`.
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     @override
     def _shard_outer(self, lm: Any) -> None:
-        if self.parallel_dims.pp > 1:
+        if self.parallel_dims.pp > 1 and not self._outer.sharded:  # (set up again after a fit: sharded already)
             dp = self.parallel_dims.dp if self._fully_sharded else 1
             self._outer.shard(self._mesh[DP, PP]._flatten("dp_pp") if dp > 1 else self._mesh[PP], dp)  # type: ignore[index]
         if self._report_pending:  # what each rank holds once the outer part is sharded
