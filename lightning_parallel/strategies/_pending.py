@@ -48,7 +48,7 @@ class Holder:
 
     module: nn.Module  # the LightningModule
     device: torch.device
-    mesh: Optional[DeviceMesh]
+    mesh: Callable[[], Optional[DeviceMesh]]  # the strategy's mesh now (none after teardown)
     whole_over: tuple[str, ...]  # the mesh axes whose ranks all hold a pending block whole
     optimizers: Callable[[], list[Optimizer]]
     replace: Callable[[list[tuple[nn.Parameter, nn.Parameter, str]]], None]  # the optimizers take new parameters
@@ -63,6 +63,7 @@ class DeferredInit:
         self.tape: Optional[InitTape] = None  # configure_model's calls on meta, replayed per tensor until all held
         self.seed = 0  # rank 0's seed, which deferred initialisation uses
         self.unchecked: list[Any] = []  # records of what was materialised, checked when the next loop starts
+        self.check_due = False  # set by every rank's set-up: the check's collective runs on all of them
         self.blocks: list[nn.Module] = []  # the pending blocks
         self._holder: Optional[Holder] = None
         self._hooks: dict[int, list[Any]] = {}  # id(block) -> its hooks (materialise; lent: give back)
@@ -78,6 +79,9 @@ class DeferredInit:
         where they have a runner (``runners``: the layer calls :attr:`Holder.first_call` before composing), else
         by a forward pre-hook (HelixPipe's blocks, run by its runtime, lent to an evaluation before the first
         step has split them)."""
+        for handles in self._hooks.values():  # a set-up run again after one that failed
+            for handle in handles:
+                handle.remove()
         self.blocks, self._holder = list(blocks), holder
         self._hooks = {
             id(b): [
@@ -262,7 +266,7 @@ class DeferredInit:
 
     def _broadcast(self, block: nn.Module) -> None:
         """Rank 0's values of a block just materialised, along the mesh axes whose ranks all hold it whole."""
-        mesh = self._at.mesh
+        mesh = self._at.mesh()
         if mesh is None:
             return
         tensors = [local(t.data) for t in [*block.parameters(), *block.buffers()] if not t.is_meta]

@@ -83,7 +83,7 @@ class SetupRecipeMixin(ParallelStrategy):
             # stay on meta, or on the host, until then (strategies/_pending.py): set-up holds this rank's share
             # (a block with a runner materialises when the block layer commits it; the others at their first call)
             blocks = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
-            holder = Holder(lm, self.root_device, self._mesh, self._block_whole_over, lambda: self.optimizers,
+            holder = Holder(lm, self.root_device, lambda: self._mesh, self._block_whole_over, lambda: self.optimizers,
                             self._replace_parameters, self._materialize_at_first_call, self._lends_pending)  # fmt: skip
             self._deferred.hold(blocks, holder, runners=[b for _, b in local])
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already

@@ -62,7 +62,8 @@ class OuterShards:
     """A pipeline strategy's parameters outside the trunk (module docstring): attached to the module at placement
     (:meth:`attach`), sharded at set-up (:meth:`shard`), placed at the first step (:meth:`place`); the gradient
     recipe (:mod:`lightning_parallel.strategies.gradients`) reads :meth:`whole`, :meth:`reduce_shards` and
-    :meth:`counted_here`. Before :meth:`attach` it holds nothing and every method is a no-op."""
+    :meth:`counted_here`. Before :meth:`attach` it holds nothing and every method is a no-op (but :meth:`place`, which
+    records that the first step has decided)."""
 
     def __init__(self) -> None:
         self.module: Optional[nn.Module] = None
