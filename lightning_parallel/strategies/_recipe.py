@@ -175,7 +175,7 @@ class SetupRecipeMixin(ParallelStrategy):
                     opt.state[p] = apply_to_collection(state, torch.Tensor, move_data_to_device, device)
                     continue
                 for key, value in state.items():
-                    if key != "step":  # where torch wants it (pytorch/pytorch#74424)
+                    if key != "step":  # torch keeps a non-fused, non-capturable step on the host
                         state[key] = move_data_to_device(value, device)
 
     def _shard_outer(self, lm: LightningModule) -> None:

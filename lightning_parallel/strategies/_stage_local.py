@@ -299,15 +299,19 @@ class OuterShards:
             self.state = "step"
 
     # ------------------------------------------------------------------------------ the module's slots
-    def _param(self, name: str) -> nn.Parameter:
+    def _slot(self, name: str) -> tuple[dict[str, Any], str]:
+        """The parameter dict of the module that holds ``name``, and its key there."""
         assert self.module is not None
         path, _, attr = name.rpartition(".")
-        return (self.module.get_submodule(path) if path else self.module)._parameters[attr]  # type: ignore[return-value]
+        return (self.module.get_submodule(path) if path else self.module)._parameters, attr
+
+    def _param(self, name: str) -> nn.Parameter:
+        params, attr = self._slot(name)
+        return params[attr]
 
     def _install(self, names: tuple[str, ...] | list[str], param: nn.Parameter) -> None:
         """Make every name in ``names`` (a tied pair has two) refer to ``param``."""
-        assert self.module is not None
         for name in names:
-            path, _, attr = name.rpartition(".")
-            (self.module.get_submodule(path) if path else self.module)._parameters[attr] = param
+            params, attr = self._slot(name)
+            params[attr] = param
         self._ids = None
