@@ -24,6 +24,7 @@ from lightning_parallel.anatomy import resolve
 from lightning_parallel.anatomy.verify import Verdicts, single_process_gradients, verify
 from lightning_parallel.recompute import Policy, resolve_op
 from lightning_parallel.stack import BlockConfig, Layouts, compose
+from lightning_parallel.trunk import discover_trunk, prepare_model
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -225,9 +226,6 @@ def parallelize(module: nn.Module, config: BlockConfig, *, trunk: str | None = N
     """Compose every trunk block of ``module`` under ``config`` (in place; no Lightning needed): the blocks
     resolve, verify and commit their stacks on their first call. Returns the layer (its ``layouts`` hold
     what gradients and checkpoints need)."""
-    from lightning_parallel.anatomy.families import prepare_model
-    from lightning_parallel.trunk import discover_trunk
-
     found = discover_trunk(module, trunk)
     uninstall_runners(found.blocks)
     prepare_model(module)
@@ -255,8 +253,6 @@ def apply_recompute(
     package's or torch's): recomputation runs once and serves both (:func:`shared_checkpoint`). Works
     without Lightning. Re-applying replaces the previous wrapping. Returns ``module``.
     """
-    from lightning_parallel.trunk import discover_trunk
-
     extra = tuple(attention_kernels)
     config = BlockConfig(
         recompute=policy,

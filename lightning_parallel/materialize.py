@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel.trunk import family_initializers
+
 if TYPE_CHECKING:
     from lightning_parallel.init_replay import InitTape
 
@@ -65,12 +67,10 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.M
 
 def _family_init(root: nn.Module, held: set[int], seed: int, fresh: set[int]) -> None:
     """After torch's ``reset_parameters()``, what building a model of a known family runs next
-    (:func:`lightning_parallel.anatomy.families.family_initializers`: a Hugging Face model's own
+    (:func:`lightning_parallel.trunk.family_initializers`: a Hugging Face model's own
     ``_init_weights``), on every module of ``held`` it covers, children before parents (a parent may rescale
     its children), each under a seed from its name. A module whose tensors are not all ones this call
     created (``fresh``; sharded or restored before) is left alone: re-initialising it would overwrite them."""
-    from lightning_parallel.anatomy.families import family_initializers
-
     initializers = family_initializers(root)
     if not initializers:
         return

@@ -20,7 +20,7 @@ def _check(module: Any) -> None:
     strategy = getattr(trainer, "strategy", None) if trainer is not None else None
     dims = getattr(strategy, "parallel_dims", None)  # this package's strategies (pp > 1: a pipeline's stage)
     partial = dims is not None and dims.pp > 1
-    in_window = any(s.open for s in getattr(strategy, "_shards", {}).values())
+    in_window = any(s.open for s in getattr(getattr(strategy, "_dp", None), "shards", {}).values())
     if partial or in_window:
         why = "this rank holds one pipeline stage" if partial else "the gradients are this rank's chunks"
         raise RuntimeError(

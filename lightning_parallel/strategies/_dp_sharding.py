@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -33,19 +34,50 @@ from lightning_parallel.strategies._logging import (
 from lightning_parallel.strategies._optimizers import replace_parameters
 from lightning_parallel.strategies._overlap import GradientBuckets, overlappable
 from lightning_parallel.strategies._pending import DeferredInit
+from lightning_parallel.strategies._sharding import Sharding
 from lightning_parallel.tensor_parallel import local
 from lightning_parallel.trunk import Trunk, discover_trunk
 
 
+class DataParallel:
+    """The data-parallel axis's state, one part: the mode (``data_parallel_sharding``), the backward's gradient
+    buckets and their size cap, FSDP2's root once applied, ZeRO's chunks per optimizer and this step's reduced
+    chunks. Validated when the strategy is built."""
+
+    def __init__(self, mode: Sharding, bucket_cap_mb: float) -> None:
+        _sharding.check_sharding(mode)
+        if bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb}; give a size in MiB, or 0 to average after the backward")
+        self.mode, self.bucket_cap_mb = mode, bucket_cap_mb
+        self.buckets: Optional[GradientBuckets] = None
+        self.fsdp_root: list[torch.nn.Module] = []  # mode "full": the units' root, once applied
+        self.shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
+        self.reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
+
+    def buckets_for(
+        self, units: list[list[torch.nn.Parameter]], keys: list[int], group: Any
+    ) -> Optional[GradientBuckets]:
+        """The buckets serving ``units`` if those made earlier do; else new ones (serving from the next backward)
+        and ``None``."""
+        if self.buckets is not None and self.buckets.covers(units, keys):
+            return self.buckets
+        if self.buckets is not None:
+            self.buckets.remove()
+        self.buckets = GradientBuckets(units, group, self.bucket_cap_mb, keys)
+        return None
+
+    def shards_of(self, optimizer: Optimizer, group: Any, rank: int, size: int) -> _sharding.ShardedOptimizer:
+        if id(optimizer) not in self.shards:
+            self.shards[id(optimizer)] = _sharding.ShardedOptimizer(optimizer, group, rank, size)
+        return self.shards[id(optimizer)]
+
+
 class DataParallelShardingMixin(ParallelStrategy):
     """Mixed into ``HybridParallelStrategy`` ahead of the state and tensor-parallel mixins (its overrides
-    call theirs)."""
+    call theirs); its state is the :class:`DataParallel` part, ``_dp``."""
 
     # the strategy's (annotations only: nothing here shadows its properties)
-    _dp_sharding: str
-    _buckets: Optional[GradientBuckets]
-    _fsdp_root: list[torch.nn.Module]
-    _shards: dict[int, _sharding.ShardedOptimizer]
+    _dp: DataParallel
     _deferred: DeferredInit
     _blocks: Any
     _mesh: Any
@@ -58,8 +90,8 @@ class DataParallelShardingMixin(ParallelStrategy):
 
     def _prepare_buckets(self, loss: torch.Tensor) -> None:
         """Before the step's backward: the buckets learn which parameters its graph reaches."""
-        if self._buckets is not None and overlappable(self):
-            self._buckets.prepare(loss)
+        if self._dp.buckets is not None and overlappable(self):
+            self._dp.buckets.prepare(loss)
 
     def _gradient_units(self, params: list[torch.nn.Parameter]) -> tuple[list[list[torch.nn.Parameter]], list[int]]:
         """The parameters the buckets serve, in units whose gradients are final together, and the units' keys:
@@ -75,13 +107,7 @@ class DataParallelShardingMixin(ParallelStrategy):
         if len(self.optimizers) != 1:
             return None  # one of several optimizers: each steps when its closure says
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        units, keys = self._gradient_units(params)
-        if self._buckets is not None and self._buckets.covers(units, keys):
-            return self._buckets
-        if self._buckets is not None:
-            self._buckets.remove()
-        self._buckets = GradientBuckets(units, self.dp_group, self._bucket_cap_mb, keys)
-        return None
+        return self._dp.buckets_for(*self._gradient_units(params), self.dp_group)
 
     def _fully_shard_deferred(
         self, lm: LightningModule, freed: list[torch.nn.Module], trunk: Optional[Trunk], seed: int
@@ -89,7 +115,7 @@ class DataParallelShardingMixin(ParallelStrategy):
         """Full sharding of a deferred model: materialise and shard one unit at a time, so a rank never holds
         more than its shards and one unit whole (a unit's eagerly built tensors take rank 0's values first)."""
         meta = any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
-        if not (self._fully_sharded and meta and not self._fsdp_root) or self._shards_after_commit:
+        if not (self._fully_sharded and meta and not self._dp.fsdp_root) or self._shards_after_commit:
             return
         gone = {id(b) for b in freed}
         held = [b for b in self._held_blocks(lm, trunk or self._trunk_or_none(lm)) if id(b) not in gone]
@@ -101,18 +127,20 @@ class DataParallelShardingMixin(ParallelStrategy):
             _collectives.broadcast_([t.data for t in eager], self.dp_group)
 
         mesh = self._mesh[DP]
-        self._fsdp_root = fully_shard_model(
+        self._dp.fsdp_root = fully_shard_model(
             lm, held, mesh, before=materialize_unit, exclude=freed, outer=self.parallel_dims.pp == 1
         )
 
     def _fully_shard_built(self, lm: LightningModule) -> None:
         """Full sharding of a model built eagerly (after the set-up broadcast, which must see whole tensors)."""
-        if not self._fully_sharded or self._fsdp_root or self._shards_after_commit:
+        if not self._fully_sharded or self._dp.fsdp_root or self._shards_after_commit:
             return
         held = self._held_blocks(lm)
         blocks = self._blocks.trunk.blocks if self._blocks is not None else []
         freed = [b for b in blocks if b not in held]
-        self._fsdp_root = fully_shard_model(lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1)
+        self._dp.fsdp_root = fully_shard_model(
+            lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1
+        )
 
     @property
     def _shards_after_commit(self) -> bool:
@@ -131,7 +159,7 @@ class DataParallelShardingMixin(ParallelStrategy):
         materialised just before: one block whole at a time), and then FSDP2 shards the blocks and (without a
         pipeline) the modules outside them under one root, as at set-up otherwise. The optimizers take the new
         parameters; the layouts' lists of parameters whose gradients are partial follow them."""
-        if not self._shards_after_commit or self._fsdp_root:
+        if not self._shards_after_commit or self._dp.fsdp_root:
             return
         lm, layer = self.lightning_module, self._blocks
         metrics = MetricStepper(lm, False).metrics
@@ -150,7 +178,7 @@ class DataParallelShardingMixin(ParallelStrategy):
             layer.commit_all(x, cap.block_args)
             before = dict(lm.named_parameters())  # the commits' shards (the optimizers hold these now)
             mesh, outer = self._mesh[DP], self.parallel_dims.pp == 1
-            self._fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer)
+            self._dp.fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer)
         after = dict(lm.named_parameters())
         replaced = [(before[n], after[n], n) for n in before if after[n] is not before[n]]
         replace_parameters(self.optimizers, replaced, self._as_fsdp_shard)  # restored state: sharded alike
@@ -199,11 +227,11 @@ class DataParallelShardingMixin(ParallelStrategy):
 
     @property
     def _sharded(self) -> bool:
-        return self._dp_sharding == "optimizer" and self.parallel_dims.dp > 1
+        return self._dp.mode == "optimizer" and self.parallel_dims.dp > 1
 
     @property
     def _fully_sharded(self) -> bool:
-        return self._dp_sharding == "full" and self.parallel_dims.dp > 1
+        return self._dp.mode == "full" and self.parallel_dims.dp > 1
 
     #: whether the runtime calls parts of blocks rather than whole blocks (helix): FSDP2 cannot shard them
     _cuts_blocks = False
@@ -223,12 +251,7 @@ class DataParallelShardingMixin(ParallelStrategy):
             return None
 
     def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
-        if id(optimizer) not in self._shards:
-            dims = self.parallel_dims
-            self._shards[id(optimizer)] = _sharding.ShardedOptimizer(
-                optimizer, self.dp_group, self.coordinate[DP], dims.dp
-            )
-        return self._shards[id(optimizer)]
+        return self._dp.shards_of(optimizer, self.dp_group, self.coordinate[DP], self.parallel_dims.dp)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -271,9 +271,9 @@ def overlappable(strategy: Any) -> bool:
     dims = strategy.parallel_dims
     lm = strategy.lightning_module
     return (
-        strategy._bucket_cap_mb > 0
+        strategy._dp.bucket_cap_mb > 0
         and dims.dp > 1
-        and strategy._dp_sharding == "none"
+        and strategy._dp.mode == "none"
         and lm is not None
         and lm.automatic_optimization
     )

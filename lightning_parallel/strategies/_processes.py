@@ -115,7 +115,7 @@ class ProcessesMixin(ParallelStrategy):
         self._dims = None
         dims = self.parallel_dims
         self._refuse_unused(dims)
-        if self._dp_sharding == "full" and dims.dp > 1:
+        if self._dp.mode == "full" and dims.dp > 1:
             check_full(self.strategy_name, self._cuts_blocks)
         assert self.cluster_environment is not None
         if self._start_method == "popen":

@@ -25,7 +25,6 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel import partial as _partial
-from lightning_parallel.anatomy.families import prepare_model
 from lightning_parallel.blocks import BlockConfig, BlockLayer, Layouts
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.init_replay import InitTape, generator
@@ -34,7 +33,7 @@ from lightning_parallel.mesh import DP, SP, TP
 from lightning_parallel.strategies._optimizers import Replaced, replace_parameters
 from lightning_parallel.strategies._pending import Holder, pending_blocks
 from lightning_parallel.tensor_parallel import TensorParallelLayout, local, shard_vocabulary
-from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to
+from lightning_parallel.trunk import Trunk, discover_trunk, materialised_to, prepare_model
 
 _LOADED_ON_META = (
     "configure_model runs on the meta device under lightning-parallel's strategies (each rank then materialises"
@@ -67,7 +66,7 @@ class SetupRecipeMixin(ParallelStrategy):
         (:mod:`lightning_parallel.blocks`: tensor, sequence parallelism, chunked MLP, recomputation)."""
         _partial.unguard(lm)  # set up again after a fit: the module is whole to the strategy once more
         config = self._block_config()
-        self._cache_off += prepare_model(lm)  # every layout trains the same model (anatomy/families.py)
+        self._cache_off += prepare_model(lm)  # every layout trains the same model (trunk.py)
         if not (config.needs_anatomy or config.recompute != "none" or config.offload or self._needs_trunk()):
             self.model_to_device()
             self._materialize(lm, [], None)

@@ -43,25 +43,24 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives, _p2p, watchdog
-from lightning_parallel.anatomy.families import packed_batch_note
 from lightning_parallel.blocks import BlockConfig, BlockLayer
 from lightning_parallel.mesh import AXES, DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
 from lightning_parallel.strategies import _failures, _sharding, gradients
-from lightning_parallel.strategies._dp_sharding import DataParallelShardingMixin
+from lightning_parallel.strategies._dp_sharding import DataParallel, DataParallelShardingMixin
 from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper, TokenMeanLogs, recording
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
-from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB, GradientBuckets
+from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB
 from lightning_parallel.strategies._pending import DeferredInit
 from lightning_parallel.strategies._processes import ProcessesMixin
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
-from lightning_parallel.strategies._sharding import Sharding, check_sharding
+from lightning_parallel.strategies._sharding import Sharding
 from lightning_parallel.strategies._stage_local import OuterShards
 from lightning_parallel.strategies._state import StateMixin
 from lightning_parallel.token_mean import CrossEntropyCalls, global_means, say_samples_once
-from lightning_parallel.trunk import discover_trunk, materialised_to
+from lightning_parallel.trunk import discover_trunk, materialised_to, packed_batch_note
 
 log = logging.getLogger(__name__)
 
@@ -217,22 +216,14 @@ class HybridParallelStrategy(
             offload=recompute_offload, mlp_module=mlp_module, attention_kernels=tuple(attention_kernels),
             adapter=adapter,
         )  # fmt: skip
-        if bucket_cap_mb < 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb}; give a size in MiB, or 0 to average after the backward")
-        self._bucket_cap_mb = bucket_cap_mb
-        self._buckets: Optional[GradientBuckets] = None
+        self._dp = DataParallel(data_parallel_sharding, bucket_cap_mb)  # the mode, buckets, FSDP2 root, ZeRO chunks
         self._token_scale: Optional[Tensor] = None  # this replica's share of a token-mean step (token_mean.py)
         self._grad_scale: Optional[float] = None  # the pipeline's token-mean factor, applied after the buckets' means
         self._gradient_plan: Optional[gradients.GradientPlan] = None  # built at set-up
         self._save_distributed = save_distributed_checkpoint
         self._group_names: list[list[list[str]]] = []  # set with the optimizers (StateMixin.setup_optimizers)
         self._vocabulary_parallel = vocabulary_parallel
-        check_sharding(data_parallel_sharding)
-        self._dp_sharding = data_parallel_sharding
         self._deferred = DeferredInit()  # configure_model's tape, the seed, the blocks pending until their first call
-        self._fsdp_root: list[torch.nn.Module] = []  # data_parallel_sharding="full": the units' root, once applied
-        self._shards: dict[int, _sharding.ShardedOptimizer] = {}  # id(optimizer) -> its chunks on this dp rank
-        self._reduced: dict[int, dict[int, Tensor]] = {}  # id(optimizer) -> this step's reduced gradient chunks
         self._trunk_path = trunk
         self._sizes: dict[str, Size] = {
             "dp": data_parallel_size,
@@ -259,7 +250,7 @@ class HybridParallelStrategy(
         lm = self.lightning_module
         assert self.accelerator is not None and self.model is not None and lm is not None
         self._check_module(lm)
-        self._shards, self._reduced = {}, {}  # the optimizers are built anew below
+        self._dp.shards, self._dp.reduced = {}, {}  # the optimizers are built anew below
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._parallelize(lm)
@@ -280,20 +271,20 @@ class HybridParallelStrategy(
             if self._sharded or self._fully_sharded:
                 if getattr(self.precision_plugin, "precision", None) == "16-mixed":
                     raise ValueError(
-                        f"precision='16-mixed' with data_parallel_sharding={self._dp_sharding!r} is not supported:"
+                        f"precision='16-mixed' with data_parallel_sharding={self._dp.mode!r} is not supported:"
                         " each rank's"
                         " loss scaler would see only its chunk of the gradients and skip steps on its own; use"
                         " precision='bf16-mixed' or '32-true'"
                     )
                 for opt in self.optimizers:
-                    _sharding.check_optimizer(opt, self._dp_sharding)
+                    _sharding.check_optimizer(opt, self._dp.mode)
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             self.states_to_device()  # Lightning's _optimizers_to_device, not for the blocks kept on the host
         plan = self._gradient_plan = self._plan_gradients()
         # Lightning's clipping asks the precision plugin, which would see this rank's part of the model only
         self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
-            lambda opt, clip_val: gradients.clip_norm_(opt, clip_val, plan, self._shards)
+            lambda opt, clip_val: gradients.clip_norm_(opt, clip_val, plan, self._dp.shards)
         )
         self.precision_plugin.clip_grad_by_value = gradients.clip_value_  # type: ignore[method-assign]
 
@@ -301,7 +292,7 @@ class HybridParallelStrategy(
         """What :mod:`lightning_parallel.strategies.gradients` reduces over on this rank."""
         dims = self.parallel_dims
         groups = {axis: self._mesh.get_group(axis) for axis in AXES} if self._mesh is not None else {}
-        mode = self._dp_sharding if dims.dp > 1 and self._dp_sharding in ("optimizer", "full") else "replicate"
+        mode = self._dp.mode if dims.dp > 1 and self._dp.mode in ("optimizer", "full") else "replicate"
         layouts = self._blocks.layouts if self._blocks is not None else None
         return gradients.GradientPlan(dims, self.coordinate, groups, mode, layouts, self._outer_gradients())
 
@@ -368,7 +359,7 @@ class HybridParallelStrategy(
     def _before_first_call(self, hook: str, args: tuple, kwargs: dict) -> None:
         """Full sharding above tensor or sequence parallelism: commit the blocks, then shard (once, before the
         first step or evaluation; :meth:`_commit_then_fully_shard`)."""
-        if self._shards_after_commit and not self._fsdp_root:
+        if self._shards_after_commit and not self._dp.fsdp_root:
             step = getattr(self.lightning_module, hook)
             self._commit_then_fully_shard(self._capture_trunk, lambda: step(*args, **kwargs))
 
@@ -421,7 +412,7 @@ class HybridParallelStrategy(
 
             def closure_then_window() -> Any:
                 out = closure_then_sync()
-                window.enter_context(self._shards_of(optimizer).window(self._reduced.pop(id(optimizer))))
+                window.enter_context(self._shards_of(optimizer).window(self._dp.reduced.pop(id(optimizer))))
                 return out
 
             return super().optimizer_step(optimizer, closure_then_window, model, **kwargs)
@@ -437,7 +428,7 @@ class HybridParallelStrategy(
         )
         reduced = gradients.sync_(optimizer, self._gradient_plan, step)
         if reduced is not None:
-            self._reduced[id(optimizer)] = reduced
+            self._dp.reduced[id(optimizer)] = reduced
 
     def grad_norm(self, norm_type: Union[float, str] = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
         """Lightning's ``grad_norm(module, norm_type)`` for the whole model, not this rank's part: each
@@ -446,9 +437,9 @@ class HybridParallelStrategy(
         every rank. A collective: call it on every rank, e.g.
         ``self.log_dict(self.trainer.strategy.grad_norm(2))`` in ``on_before_optimizer_step``. Not inside a
         sharded data-parallel step (the gradients are chunks there)."""
-        if any(shards.open for shards in self._shards.values()) or self._fully_sharded:
+        if any(shards.open for shards in self._dp.shards.values()) or self._fully_sharded:
             raise RuntimeError(
-                f"grad_norm() under data_parallel_sharding={self._dp_sharding!r} is not supported: in"
+                f"grad_norm() under data_parallel_sharding={self._dp.mode!r} is not supported: in"
                 " on_before_optimizer_step each rank holds only its chunk of every gradient"
             )
         assert self.lightning_module is not None and self._gradient_plan is not None
@@ -498,7 +489,7 @@ class HybridParallelStrategy(
     @contextmanager
     def block_backward_sync(self) -> Any:
         # an accumulation step: gradients are averaged once per optimizer step (no bucket goes during it)
-        buckets = self._buckets
+        buckets = self._dp.buckets
         if buckets is not None:
             buckets.accumulating = True
         try:

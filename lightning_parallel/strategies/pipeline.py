@@ -38,7 +38,6 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel import partial as _partial
-from lightning_parallel.anatomy.families import no_fast_paths
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import DP, PP, Size, check_size
 from lightning_parallel.pipeline import outer
@@ -76,7 +75,7 @@ from lightning_parallel.strategies.microbatches import (
     step_extras,
 )
 from lightning_parallel.token_mean import TokenWeights, global_means, say_samples_once
-from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, parameter_bytes
+from lightning_parallel.trunk import Trunk, free_blocks, materialised_to, no_fast_paths, parameter_bytes
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
 
@@ -119,7 +118,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self._settings = PipelineSettings(
             schedule, num_microbatches, virtual_stages, layers_per_stage, loss_reduction, check_batches
         )
-        if schedule in SPLIT_BACKWARD and self._dp_sharding == "full":
+        if schedule in SPLIT_BACKWARD and self._dp.mode == "full":
             raise ValueError(
                 f"schedule={schedule!r} splits the backward into input- and weight-gradient actions, which FSDP2's"
                 " per-block gradient reduction (data_parallel_sharding='full') would run before the weights'"
@@ -333,7 +332,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self._outer.gather_for_step()  # the sharded pre/post-trunk parameters, whole where they run
         if not self._outer.decided:
             self._decide_at_first_step(lambda: lm.training_step(micro[0], *rest, **kwargs))
-        if self._shards_after_commit and not self._fsdp_root:  # full sharding above tp / sp: commit, then shard
+        if self._shards_after_commit and not self._dp.fsdp_root:  # full sharding above tp / sp: commit, then shard
             freed = outer.placeholders(self._outer.freed, self.root_device)
             with self.precision_plugin.train_step_context(), no_fast_paths(), freed:
                 self._commit_then_fully_shard(runtime.capture_step, lambda: lm.training_step(micro[0], *rest, **kwargs))
@@ -366,7 +365,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         """The buckets this step's schedule issues (``strategies/_overlap.py``), or ``None``: none made yet (they
         are at the first step's sync), sharded data parallelism, or gradient accumulation (the schedule's
         gradients join the earlier batches' only in ``backward``)."""
-        buckets = self._buckets
+        buckets = self._dp.buckets
         if buckets is None or not overlappable(self) or lm.trainer.accumulate_grad_batches != 1:
             return None
         return buckets if buckets.start() else None
@@ -470,7 +469,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         assert self.runtime is not None
         base = getattr(super(), hook)
         with no_fast_paths():
-            if self._shards_after_commit and not self._fsdp_root:  # full sharding above tp / sp: commit, then shard
+            if self._shards_after_commit and not self._dp.fsdp_root:  # full sharding above tp / sp: commit, then shard
                 step = getattr(self.lightning_module, hook)
                 self._commit_then_fully_shard(self.runtime.capture_step, lambda: step(*args, **kwargs))
             return self.runtime.lockstep(lambda: base(*args, **kwargs))

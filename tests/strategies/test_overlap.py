@@ -38,7 +38,7 @@ def _issued(rank: int, world: int, cap: float, extra: str) -> tuple[int, int, li
         module.training_step = training_step  # type: ignore[method-assign]
     strategy = HybridParallelStrategy(data_parallel_size=2, bucket_cap_mb=cap)
     quick_fit(module, data, strategy, world, steps=3, use_distributed_sampler=False)
-    buckets = strategy._buckets
+    buckets = strategy._dp.buckets
     params = [p.detach().sum().item() for p in module.parameters()]
     last = getattr(module.transformer.h[3], "extra", None)
     return buckets.issued_in_backward, len(buckets.buckets), params, None if last is None else last.detach().clone()
@@ -82,7 +82,7 @@ def _reentrant(rank: int, world: int, cap: float) -> tuple[bool | None, list[tor
     block.forward = lambda x: checkpoint(forward, x, use_reentrant=True)  # hides the block's parameters
     strategy = HybridParallelStrategy(data_parallel_size=2, bucket_cap_mb=cap)
     quick_fit(module, data, strategy, world, steps=3, use_distributed_sampler=False)
-    enabled = strategy._buckets.enabled if strategy._buckets is not None else None
+    enabled = strategy._dp.buckets.enabled if strategy._dp.buckets is not None else None
     return enabled, [p.detach().clone() for p in module.parameters()]
 
 
@@ -105,7 +105,7 @@ class _BucketsWent(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
-        buckets = strategy._buckets
+        buckets = strategy._dp.buckets
         assert buckets is not None and buckets.enabled, "no gradient buckets served this fit"
         assert buckets.issued_in_backward == (self.steps - 1) * len(buckets.buckets), (
             buckets.issued_in_backward,
@@ -149,7 +149,7 @@ def test_buckets_go_during_the_backward_of_every_layout_with_one_process_trainin
 
 class _NoBucketWent(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        buckets = trainer.strategy._buckets
+        buckets = trainer.strategy._dp.buckets
         assert buckets is not None and buckets.enabled and buckets.issued_in_backward == 0, buckets
 
 

@@ -53,7 +53,7 @@ def test_the_one_process_reference_attends_within_each_document(model):
 def test_with_its_kv_cache_on_a_hugging_face_model_attends_across_documents_on_one_device():
     """transformers 5.x builds the document mask only when no cache is passed (``_preprocess_mask_arguments``):
     with ``use_cache=True`` (the configs' default) a packed batch attends across documents on one device. Every
-    strategy turns the cache off (anatomy/families.py). If transformers changes this, docs/guide.md changes."""
+    strategy turns the cache off (trunk.py). If transformers changes this, docs/guide.md changes."""
     torch.manual_seed(0)
     module, data = packed.build("hf:llama", 2, "sgd", 0.05)
     module.model.config.use_cache = True
