@@ -21,7 +21,7 @@ from lightning_parallel.mesh import AXES, ParallelDims
 from lightning_parallel.pretrained import load_pretrained
 from lightning_parallel.strategies import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 
-lightning_patches.loading.install()
+lightning_patches.install_loading()
 
 __all__ = [
     "AXES", "AnatomyError", "BubbleProfiler", "CheckpointError", "ConfigurationError", "HelixParallelStrategy",

@@ -237,7 +237,7 @@ def test_resume_mid_epoch_matches_lightnings_own_resume(tmp_path):
         (
             "pp2",
             "auto",
-        ),  # Lightning's own strategy resumes from the directory (lightning_parallel.lightning_patches.loading)
+        ),  # Lightning's own strategy resumes from the directory (lightning_parallel.lightning_patches)
     ],  # fmt: skip
 )
 def test_resume_under_another_layout_restores_model_and_optimizer_state(source, target, tmp_path):
