@@ -31,9 +31,6 @@ from torch import Tensor, nn
 from lightning_parallel import _collectives, _p2p
 from lightning_parallel.errors import ConfigurationError
 
-#: what a mixer's cache must answer (transformers 5's linear-attention cache, duck-typed)
-CACHE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
-
 
 def recurrent_mixers(block: nn.Module) -> list[nn.Module]:
     """The block's modules that keep a recurrent state in transformers' linear-attention cache: a ``layer_idx``, a

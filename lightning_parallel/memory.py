@@ -74,9 +74,6 @@ class LiveTensorTracker(TorchDispatchMode):
         if nbytes and self.series is not None:
             self.series.append((time.perf_counter(), self.current))
 
-    def reset_peak(self) -> None:
-        self.peak, self.largest = self.current, 0
-
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages behind ``t``: a wrapper subclass (DTensor) holds its data in inner tensors."""

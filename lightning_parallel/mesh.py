@@ -88,22 +88,6 @@ class ParallelDims:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.dp, self.pp, self.sp, self.tp)
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def sp_enabled(self) -> bool:
-        return self.sp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
     def coordinate(self, global_rank: int) -> dict[str, int]:
         """The (dp, pp, sp, tp) coordinate of a global rank under the row-major mesh layout."""
         if not 0 <= global_rank < self.world_size:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_parallel.pipeline.schedules import Action, Schedule, Simulation, format_schedule, simulate_dag
+from lightning_parallel.pipeline.schedules import Action, Schedule, Simulation, simulate_dag
 
 # Actions are the runtime's one ``Action`` type: kind ``FP``/``BP`` (param chunk P_j, ``chunk`` = j) or
 # ``FA``/``BA`` (attention of layer k, ``chunk`` = k), the phase first.
@@ -160,7 +160,3 @@ def simulate_helix(
         latency,
         held=held or (lambda a: 1 if a.kind[0] == "F" else -1),
     )
-
-
-def format_helix(schedule: HelixSchedule) -> str:
-    return format_schedule(schedule)  # type: ignore[arg-type]

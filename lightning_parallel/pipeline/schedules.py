@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 Kind = Literal["F", "B", "I", "W", "FP", "BP", "FA", "BA"]
-BACKWARDS = ("B", "I")  # the kinds that consume the next chunk's input gradient
 
 
 class Action(NamedTuple):

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from lightning_parallel.pipeline.helix_schedule import attention_stage, format_helix, helix, simulate_helix
-from lightning_parallel.pipeline.schedules import one_f_one_b, simulate
+from lightning_parallel.pipeline.helix_schedule import attention_stage, helix, simulate_helix
+from lightning_parallel.pipeline.schedules import format_schedule, one_f_one_b, simulate
 
 SIZES = [
     (p, L, m, F) for p in (2, 3, 4, 8) for L in (p, 2 * p, 4 * p) for F in (1, 2) for m in (p * F, 2 * p * F, 3 * p * F)
@@ -93,5 +93,5 @@ def test_size_errors():
 
 
 def test_format_grid():
-    grid = format_helix(helix(2, 4, 4, 1)).splitlines()
+    grid = format_schedule(helix(2, 4, 4, 1)).splitlines()
     assert grid[0].split()[:3] == ["stage", "0:", "FP0"] and "BA0.1" in grid[1]  # kind, micro-batch . index

@@ -80,10 +80,9 @@ def test_coordinates_are_row_major_with_tp_innermost():
         dims.coordinate(8)
 
 
-def test_enabled_flags_and_shape():
+def test_shape():
     dims = ParallelDims.resolve(8, pp=2, sp=2)
     assert dims.shape == (2, 2, 2, 1) and AXES == ("dp", "pp", "sp", "tp")
-    assert (dims.dp_enabled, dims.pp_enabled, dims.sp_enabled, dims.tp_enabled) == (True, True, True, False)
 
 
 def test_build_mesh_rejects_bad_device_type():
