@@ -119,9 +119,10 @@ class ParallelDims:
         return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
 
 
-def check_size(axis: str, size: object) -> None:
-    """Raise ``ValueError`` unless ``size`` is a positive int or ``"auto"``."""
+def check_size(axis: str, size: Size) -> Size:
+    """``size``; a ``ValueError`` unless it is a positive int or ``"auto"``."""
     if size == "auto":
-        return
+        return size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"{ARGUMENT_NAMES[axis]} must be a positive int or 'auto', got {size!r}")
+    return size

@@ -38,7 +38,7 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 class ProcessesMixin(ParallelStrategy):
     """The layout, mesh, launcher and process group of :class:`~lightning_parallel.HybridParallelStrategy`
-    (it sets ``_sizes``, ``_given``, ``_dims``, ``_mesh``, ``_num_nodes``, ``_start_method``, ``_timeout`` and
+    (it sets ``_sizes``, ``_dims``, ``_mesh``, ``_num_nodes``, ``_start_method``, ``_timeout`` and
     ``_process_group_backend`` in its constructor)."""
 
     @property
@@ -135,15 +135,16 @@ class ProcessesMixin(ParallelStrategy):
 
     def _refuse_unused(self, dims: ParallelDims) -> None:
         """Every argument given must take effect in the resolved layout (an ignored one is an error)."""
-        needs = {
-            "tp_plan": ("tensor_parallel_size", dims.tp),
-            "tp_sequence_parallel": ("tensor_parallel_size", dims.tp),
-            "vocabulary_parallel": ("tensor_parallel_size", dims.tp),
-            "sequence_parallel_mode": ("sequence_parallel_size", dims.sp),
-            "data_parallel_sharding": ("data_parallel_size", dims.dp),
+        blocks = self._block_settings
+        given = {  # argument: (whether given, the size argument it needs, that size)
+            "tp_plan": (blocks.tp_plan is not None, "tensor_parallel_size", dims.tp),
+            "tp_sequence_parallel": (blocks.tp_sequence_parallel, "tensor_parallel_size", dims.tp),
+            "vocabulary_parallel": (not self._vocabulary_parallel, "tensor_parallel_size", dims.tp),
+            "sequence_parallel_mode": (self._sp_mode_given, "sequence_parallel_size", dims.sp),
+            "data_parallel_sharding": (self._dp.mode != "none", "data_parallel_size", dims.dp),
         }
-        for arg, (size_arg, size) in needs.items():
-            if self._given.get(arg) and size == 1:
+        for arg, (is_given, size_arg, size) in given.items():
+            if is_given and size == 1:
                 raise ValueError(
                     f"{arg} was given, but {size_arg} resolves to 1 in the layout {dims}, so it would have no"
                     f" effect; set {size_arg} > 1 or drop {arg}"

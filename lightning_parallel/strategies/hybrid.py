@@ -182,64 +182,43 @@ class HybridParallelStrategy(
         configure_model_on_meta: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        check_size(DP, data_parallel_size)  # fail at construction, not at launch
-        check_size(TP, tensor_parallel_size)
-        check_size(SP, sequence_parallel_size)
-        self._given = {  # arguments that only mean something with another one: checked once the sizes are known
-            "tp_plan": tp_plan is not None,
-            "tp_sequence_parallel": bool(tp_sequence_parallel),
-            "vocabulary_parallel": not vocabulary_parallel,
-            "sequence_parallel_mode": sequence_parallel_mode is not None,
-            "data_parallel_sharding": data_parallel_sharding != "none",
-        }
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)  # fmt: skip
+        # the settings, each checked here: a bad one fails when the strategy is built, not at launch
+        sizes = {DP: data_parallel_size, TP: tensor_parallel_size, SP: sequence_parallel_size}
+        self._sizes: dict[str, Size] = {axis: check_size(axis, size) for axis, size in sizes.items()}
         if recompute_every_n is not None and recompute != "every_n":
-            raise ValueError(
-                f"recompute_every_n={recompute_every_n} applies to recompute='every_n' only"
-                f" (got recompute={recompute!r})"
-            )
+            raise ValueError(f"recompute_every_n={recompute_every_n} applies to recompute='every_n' only"
+                             f" (got recompute={recompute!r})")  # fmt: skip
         if sequence_parallel_size not in (1, "1") and tp_sequence_parallel:
             raise ValueError(
                 f"sequence_parallel_size={sequence_parallel_size} already splits every block's sequence; it cannot be"
                 " combined with tp_sequence_parallel=True (which splits it between the tensor-parallel regions)"
             )
-        # what every block of this rank gets (validated here; the meshes are added at set-up: _block_config)
+        # what every block of this rank gets (the meshes are added at set-up: _block_config)
         self._block_settings = BlockConfig(
             tp_plan=tp_plan, tp_sequence_parallel=tp_sequence_parallel, sp_mode=sequence_parallel_mode or "ulysses",
             recompute=recompute, every_n=2 if recompute_every_n is None else recompute_every_n, mlp_chunks=mlp_chunks,
             offload=recompute_offload, mlp_module=mlp_module, attention_kernels=tuple(attention_kernels),
             adapter=adapter,
         )  # fmt: skip
+        self._sp_mode_given = sequence_parallel_mode is not None  # refused at launch where sp resolves to 1
         self._dp = DataParallel(data_parallel_sharding, bucket_cap_mb)  # the mode, buckets, FSDP2 root, ZeRO chunks
+        self._heads = ChunkedHeads(loss_chunks)
+        self._vocabulary_parallel, self._trunk_path = vocabulary_parallel, trunk
+        self._configure_on_meta, self._save_distributed = configure_model_on_meta, save_distributed_checkpoint
+        self._process_group_backend, self._start_method, self._num_nodes = process_group_backend, start_method, 1
+        self._timeout, self._first_step_timeout = timeout, first_step_timeout
+        # what set-up and the steps fill in
+        self._deferred = DeferredInit()  # configure_model's tape, the seed, the blocks pending until their first call
+        self._blocks: Optional[BlockLayer] = None
+        self._gradient_plan: Optional[gradients.GradientPlan] = None
+        self._group_names: list[list[list[str]]] = []  # set with the optimizers (StateMixin.setup_optimizers)
         self._token_scale: Optional[Tensor] = None  # this replica's share of a token-mean step (token_mean.py)
         self._grad_scale: Optional[float] = None  # the pipeline's token-mean factor, applied after the buckets' means
-        self._gradient_plan: Optional[gradients.GradientPlan] = None  # built at set-up
-        self._save_distributed = save_distributed_checkpoint
-        self._group_names: list[list[list[str]]] = []  # set with the optimizers (StateMixin.setup_optimizers)
-        self._vocabulary_parallel = vocabulary_parallel
-        self._deferred = DeferredInit()  # configure_model's tape, the seed, the blocks pending until their first call
-        self._trunk_path = trunk
-        self._sizes: dict[str, Size] = {
-            "dp": data_parallel_size,
-            "tp": tensor_parallel_size,
-            "sp": sequence_parallel_size,
-        }
-        self._blocks: Optional[BlockLayer] = None
         self._cache_off: list[str] = []  # modules whose Hugging Face KV cache set-up turned off
-        self._heads = ChunkedHeads(loss_chunks)
-        self._configure_on_meta = configure_model_on_meta
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._first_step_timeout = first_step_timeout
         self._first_step = True  # the first training batch is still to start (bounded by the watchdog)
-        self._start_method = start_method
-        self._num_nodes = 1
         self._peers: Optional[list[Any]] = None  # every rank's host and pid, once the process group exists
         self._dims: Optional[ParallelDims] = None
         self._mesh: Optional[DeviceMesh] = None
