@@ -38,25 +38,17 @@ def _timed(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def _by_dtype(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
-    groups: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        groups[t.dtype].append(t)
+def by_dtype(items: Iterable[Any], dtype: Callable[[Any], torch.dtype] = lambda t: t.dtype) -> dict[Any, list]:
+    """``items`` grouped by ``dtype(item)`` (a tensor's own by default), in order."""
+    groups: dict[torch.dtype, list] = defaultdict(list)
+    for t in items:
+        groups[dtype(t)].append(t)
     return groups
 
 
-@_timed
 def all_reduce_mean_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
     """In place: each tensor becomes its mean over ``group`` (one all-reduce per dtype)."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    for same_dtype in _by_dtype(tensors).values():
-        flat = _flatten_dense_tensors(same_dtype)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(size)
-        for t, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
-            t.copy_(reduced)
+    all_reduce_sum_(tensors, group, mean=True)
 
 
 BUCKET_BYTES = 16 * 2**20
@@ -68,7 +60,7 @@ def broadcast_(tensors: Iterable[Tensor], group: ProcessGroup, group_src: int = 
     travel flattened in buckets of up to 16 MiB, large contiguous ones in place (no whole-model copy)."""
     if dist.get_world_size(group) == 1:
         return
-    for same_dtype in _by_dtype(tensors).values():
+    for same_dtype in by_dtype(tensors).values():
         bucket: list[Tensor] = []
         for t in [*same_dtype, None]:
             big = t is not None and t.numel() * t.element_size() >= BUCKET_BYTES and t.is_contiguous()
@@ -102,13 +94,16 @@ def _on(values: list[int] | list[float], dtype: torch.dtype, device: torch.devic
 
 
 @_timed
-def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup) -> None:
-    """In place: each tensor becomes its sum over ``group`` (one all-reduce per dtype)."""
-    if dist.get_world_size(group) == 1:
+def all_reduce_sum_(tensors: Iterable[Tensor], group: ProcessGroup, mean: bool = False) -> None:
+    """In place: each tensor becomes its sum (``mean``: its mean) over ``group`` (one all-reduce per dtype)."""
+    size = dist.get_world_size(group)
+    if size == 1:
         return
-    for same_dtype in _by_dtype(tensors).values():
+    for same_dtype in by_dtype(tensors).values():
         flat = _flatten_dense_tensors(same_dtype)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        if mean:
+            flat.div_(size)
         for t, reduced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
             t.copy_(reduced)
 

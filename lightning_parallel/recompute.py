@@ -51,18 +51,22 @@ Policy = Literal["none", "full", "every_n", "selective", "no_attention"]
 POLICIES: tuple[str, ...] = ("none", "full", "every_n", "selective", "no_attention")
 
 aten = torch.ops.aten
+#: torch's fused attention kernels (forward) that scaled_dot_product_attention dispatches to, as this build has them
+SDPA_KERNELS = tuple(
+    getattr(aten, n).default
+    for n in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(aten, n)
+)
 
 
 def attention_ops() -> set[Any]:
     """The fused attention kernels (forward) a policy can keep."""
-    ops = {aten._scaled_dot_product_flash_attention_for_cpu.default}
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    ):
-        if hasattr(aten, name):
-            ops.add(getattr(aten, name).default)
+    ops = set(SDPA_KERNELS)
     # registered by the flash-attn packages on CUDA: flash-attn 2 ("flash_attn") and flash-attn 3, Hopper's
     # ("flash_attn_3"; its interface calls ``torch.ops.flash_attn_3.fwd`` or the ``_flash_attn_forward`` op); an op
     # that is not there is skipped, so this reads what is installed

@@ -41,8 +41,7 @@ from lightning_parallel import _collectives
 from lightning_parallel.block_protocol import AttentionCall
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.ring_attention import ring_attention
-from lightning_parallel.rng import forked
-from lightning_parallel.rng import has_dropout as _has_dropout
+from lightning_parallel.rng import forked, has_dropout
 
 MODES = ("ulysses", "ring")
 
@@ -291,9 +290,3 @@ def _sequence_to_heads(t: Tensor, sp: int, group: Any) -> Tensor:
     blocks = t.view(B, h, sp, T // sp, d).permute(2, 1, 0, 3, 4)  # (sp, h, B, Tl, d): token blocks to ranks
     out = _collectives.all_to_all_autograd(blocks, group)  # (sp, h, B, Tl, d): source rank's heads
     return out.reshape(sp * h, B, T // sp, d).permute(1, 0, 2, 3)
-
-
-def has_dropout(block: nn.Module) -> bool:
-    """Whether any dropout in ``block`` is active (then sequence shards need their own masks):
-    :func:`lightning_parallel.rng.has_dropout`."""
-    return _has_dropout(block)

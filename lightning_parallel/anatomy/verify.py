@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_parallel import _collectives, watchdog
 from lightning_parallel.errors import ConfigurationError, VerificationError
+from lightning_parallel.rng import has_dropout
 
 TOLERANCE = dict(rtol=1e-9, atol=1e-10)
 # a block that computes in float32 on its own (e.g. a norm that casts to float32) rounds at float32 precision
@@ -103,17 +104,12 @@ class _LowPrecision(TorchDispatchMode):
 def _run(module: nn.Module, fn: Callable[..., Any], x: Tensor, args: tuple, kwargs: dict,
          probe: _LowPrecision | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     xi = x.clone().requires_grad_(True)
-    with torch.random.fork_rng(), probe if probe is not None else _nothing():
+    with torch.random.fork_rng(), probe if probe is not None else nullcontext():
         torch.manual_seed(0)
         out = first_tensor(fn(module, xi, args, kwargs))
         weight = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out)
         (out * weight).sum().backward()
     return out.detach(), xi.grad
-
-
-@contextmanager
-def _nothing() -> Iterator[bool]:
-    yield True
 
 
 def verify(
@@ -148,14 +144,14 @@ def _reference(block: nn.Module, x: Tensor, args: tuple, kwargs: dict, through: 
 
     own = lambda m, xi, a, kw: type(m).forward(m, xi, *a, **kw)  # noqa: E731
     failure: RuntimeError | None = None
-    wide = float64_through if through else _nothing
+    wide = float64_through if through else nullcontext
     for dtype, swap in ((torch.float64, False), (torch.float64, True), (torch.float32, False)):
-        with stand_in(block) if swap else _nothing() as swapped, wide() if dtype == torch.float64 else _nothing():
+        with stand_in(block) if swap else nullcontext() as swapped, wide() if dtype == torch.float64 else nullcontext():
             if swap and not swapped:
                 continue
             probe = _LowPrecision()
             inputs = _cast((x, args, kwargs), dtype)
-            reference, candidate = (_cast_module(float64_copy(block), dtype) for _ in range(2))
+            reference, candidate = (float64_copy(block).to(dtype) for _ in range(2))
             _same_mode(block, reference, candidate)
             try:
                 out, grad = _run(reference, own, *inputs, probe)
@@ -204,7 +200,8 @@ def _compare(block: nn.Module, build: Callable[[nn.Module], tuple[Callable[..., 
 
 
 def _same_mode(block: nn.Module, *copies: nn.Module) -> None:
-    if _active_dropout(block):
+    """Copies of a block whose dropout is active run in eval mode (the reference and the candidate draw no masks)."""
+    if block.training and has_dropout(block):
         for c in copies:
             c.eval()
 
@@ -213,18 +210,8 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.detach().to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, value)
 
 
-def _cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    return module.to(dtype)
-
-
 def plain_gradients(module: nn.Module) -> dict[str, Tensor]:
     return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
-
-
-def _active_dropout(block: nn.Module) -> bool:
-    from lightning_parallel.sequence_parallel import has_dropout
-
-    return block.training and has_dropout(block)
 
 
 def verify_split(split: Any, block: nn.Module, x: Tensor, args: tuple = (), kwargs: dict | None = None) -> None:
@@ -247,12 +234,10 @@ def single_process_gradients(module: nn.Module, tp: Any = None, sp: Any = None) 
             continue
         if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
             g = g.redistribute(placements=p.placements)
-        if id(p) in partial_tp:
-            g = g.clone()
-            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], tp.mesh.get_group())
-        if id(p) in partial_sp:
-            g = g.clone()
-            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], sp.mesh.get_group())
+        for layout, partial in ((tp, partial_tp), (sp, partial_sp)):
+            if id(p) in partial:
+                g = g.clone()
+                _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], layout.mesh.get_group())
         grads[name] = tp.to_full(name, g) if tp is not None else g
     return grads
 

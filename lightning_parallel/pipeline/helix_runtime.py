@@ -25,6 +25,7 @@ paper runs the head inside the backward step (docs/design.md, "HelixPipe").
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -239,15 +240,11 @@ class HelixRuntime(PipelineRuntime):
     def _loss_forward(self, ctx: StepContext, a: Action, inputs: list[Tensor]) -> None:
         mb = a.microbatch
         step = lambda: ctx.user.loss(mb)  # noqa: E731
-        if self.recompute:  # value and logs now; the graph is rebuilt in the backward action
-            with torch.no_grad():
-                y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
-                step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
-            loss = ctx.loss_of(step_out)
-        else:
+        # recomputed: the value and the logs now, the graph rebuilt in the backward action
+        with torch.no_grad() if self.recompute else nullcontext():
             y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
             step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
-            loss = ctx.loss_of(step_out)
+        loss = ctx.loss_of(step_out)
         ctx.saved[a] = (inputs, [loss])
         ctx.results[mb] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
 

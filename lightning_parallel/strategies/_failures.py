@@ -120,12 +120,6 @@ def mark_raised(peers: list[tuple[str, int]] | None, rank: int) -> None:
     _leave_to_observer(wait_for_death=0.0)
 
 
-def _mark_followed(peers: list[tuple[str, int]], rank: int) -> None:
-    """Record that this rank fails after a peer broke its connection (its peers then do not report it as
-    killed, even once it has exited)."""
-    _write_marker(_marker(peers, rank), "followed")
-
-
 def remove_stale_markers() -> None:
     """Remove the marker files of jobs whose naming process (the job's lowest rank on this host) no longer
     runs: every job's markers are gone once it has ended, whichever way it was launched (the script launcher
@@ -198,7 +192,7 @@ def dead_peers_line(peers: list[tuple[str, int]], rank: int) -> str | None:
     after a peer), or ``None`` if none could be found; ``""`` if every one of them was already named (by
     :class:`_NamingObserver`). Leaves this rank's own marker first: it fails after a peer, it was not
     killed. In the launching process, a child that a signal ended is left to the watcher."""
-    _mark_followed(peers, rank)
+    _write_marker(_marker(peers, rank), "followed")  # its peers do not report it as killed once it has exited
     host = socket.gethostname()
     dead: list[int] = []
     deadline = time.monotonic() + 10.0  # the broken connection can be seen before the killed process is gone

@@ -87,14 +87,8 @@ class ShardedOptimizer:
 
     # ---------------------------------------------------------------------------------- layout
     def params(self) -> list[nn.Parameter]:
-        seen: set[int] = set()
-        out = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        """The optimizer's parameters, each once, in order."""
+        return list({id(p): p for group in self.optimizer.param_groups for p in group["params"]}.values())
 
     def _chunk(self, p: Tensor) -> int:
         return math.ceil(local(p).numel() / self.size)
@@ -125,7 +119,7 @@ class ShardedOptimizer:
         if scalars and self.size > 1:
             _collectives.all_reduce_mean_(scalars, self.group)
         with_grad = [p for p, anyone in zip(params, agreed) if anyone and local(p).dim() > 0]
-        for same in _by_dtype(with_grad, lambda p: p.grad.dtype).values():
+        for same in _collectives.by_dtype(with_grad, lambda p: p.grad.dtype).values():
             chunks = [self._chunk(p) for p in same]
             rows = [_padded(local(p.grad), self.size * c).view(self.size, c) for p, c in zip(same, chunks)]
             out = _collectives.reduce_scatter_sum(torch.cat(rows, dim=1).reshape(-1), self.group)
@@ -211,7 +205,7 @@ class ShardedOptimizer:
         return self._originals.get(id(p), p)
 
     def all_gather_parameters_(self) -> None:
-        for same in _by_dtype(self._sharded(), lambda p: p.dtype).values():
+        for same in _collectives.by_dtype(self._sharded()).values():
             chunks = [self._chunk(p) for p in same]
             mine = torch.cat([_padded(self.cut(p, p.data), c) for p, c in zip(same, chunks)])
             rows, offset = _collectives.all_gather_flat(mine, self.group).view(self.size, -1), 0
@@ -264,10 +258,3 @@ class ShardedOptimizer:
 def _padded(t: Tensor, n: int) -> Tensor:
     flat = t.reshape(-1)
     return flat if flat.numel() == n else torch.cat([flat, flat.new_zeros(n - flat.numel())])
-
-
-def _by_dtype(params: list, key: Any) -> dict[torch.dtype, list]:
-    out: dict[torch.dtype, list] = {}
-    for p in params:
-        out.setdefault(key(p), []).append(p)
-    return out

@@ -66,7 +66,7 @@ def test_only_a_peer_that_ended_without_a_marker_is_named():
     host = socket.gethostname()
     peers = [(host, os.getpid()), (host, followed.pid), (host, killed.pid), (host, os.getpid())]
     try:
-        _failures._mark_followed(peers, 1)
+        _failures._write_marker(_failures._marker(peers, 1), "followed")  # rank 1 failed after a peer
         line = _failures.dead_peers_line(peers, 3)
         assert line is not None and re.match(rf"\[rank 3\] rank 2 \(pid {killed.pid} on .*\) died: ", line), line
         assert "rank 1 " not in line and "rank 0 " not in line

@@ -15,19 +15,10 @@ from torch import fx
 
 from lightning_parallel.anatomy.traced.program import Program
 from lightning_parallel.errors import Unsupported
+from lightning_parallel.recompute import SDPA_KERNELS
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-_FUSED = tuple(
-    getattr(aten, n).default
-    for n in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    if hasattr(aten, n)
-)
 _ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 # ops that mix tokens along a dimension of their input: a convolution over its spatial dims, a scan along one
 _CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
@@ -67,7 +58,7 @@ def expr_of(value: Any) -> Any:
 
 def attention_nodes(graph: fx.Graph) -> list[fx.Node]:
     """SDPA calls, and Hugging Face attention calls made through the registry while tracing."""
-    targets = {SDPA, *_FUSED}
+    targets = {SDPA, *SDPA_KERNELS}
     return [
         n for n in graph.nodes
         if n.op == "call_function" and (n.target in targets or getattr(n.target, "hf_attention_call", False))
@@ -90,7 +81,7 @@ def analyse(program: Program) -> Site:
             " parallelism split a block at its one attention call"
         )
     (attention,) = found
-    if attention.target in _FUSED:
+    if attention.target in SDPA_KERNELS:
         raise Unsupported(f"its attention runs {attention.target} directly; call F.scaled_dot_product_attention")
     kind = "sdpa" if attention.target == SDPA else "hf"
     q, k, _ = (a.meta["val"] for a in attention.args[:3])

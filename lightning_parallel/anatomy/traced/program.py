@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -206,7 +206,7 @@ def trace(
     leaves = [_stand_in(leaf) for leaf in leaves]
     tensors = tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
     dims = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
-    context = attention_route(copy) if attention_route is not None else _null()
+    context = attention_route(copy) if attention_route is not None else nullcontext()
     try:
         with _quiet(), context, torch.autocast("cpu", enabled=False):
             ep = torch.export.export(_Flat(copy, spec, leaves), tensors, dynamic_shapes={"tensors": dims}, strict=False)
@@ -242,11 +242,6 @@ def _stand_in(value: Any) -> Any:
         return value
     return torch.zeros(value.shape, dtype=torch.float64 if value.is_floating_point() else value.dtype,
                        device=value.device)  # fmt: skip
-
-
-@contextmanager
-def _null() -> Any:
-    yield
 
 
 def _program(ep: torch.export.ExportedProgram, spec: TreeSpec, leaves: list[Any]) -> Program:

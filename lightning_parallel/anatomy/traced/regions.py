@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_unflatten
 
-from lightning_parallel.anatomy.traced.analysis import Site, expr_of
+from lightning_parallel.anatomy.traced.analysis import Site, _ancestors, expr_of
 from lightning_parallel.anatomy.traced.labels import _ELEMENTWISE, _IDENTITY, projections
 from lightning_parallel.anatomy.traced.manual import reads_values
 from lightning_parallel.anatomy.traced.program import Program, _buffer, _param, retargeted_module
@@ -252,17 +252,6 @@ def _partition(program: Program, site: Site) -> dict[str, Any]:
     state = [n for n in state if isinstance(n.meta.get("val"), Tensor)]
     return {"pre": pre, "post": post, "state": state, "symbolic": symbolic, "x": x,
             "pre_parameters": pre_params, "carried": carried}  # fmt: skip
-
-
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _free(graph: fx.Graph, needed: set[fx.Node], taken: set[fx.Node]) -> set[fx.Node]:

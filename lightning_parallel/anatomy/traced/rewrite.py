@@ -42,14 +42,3 @@ def rewrite(program: Program, rule: Rule, extra: tuple[str, ...] = ()) -> Progra
         env[node] = new
     gm = fx.GraphModule(program.gm, graph)
     return replace(program, gm=gm, extra=program.extra + extra)
-
-
-def call(
-    graph: fx.Graph, env: dict, fn: Callable[..., Any], node: fx.Node, args: tuple, kwargs: dict | None = None
-) -> fx.Node:
-    """A ``call_function`` node of ``fn`` with ``node``'s arguments mapped into the new graph."""
-    mapped = fx.node.map_arg(args, lambda n: env[n])
-    mapped_kw = fx.node.map_arg(kwargs or {}, lambda n: env[n])
-    new = graph.call_function(fn, mapped, mapped_kw)
-    new.meta = dict(node.meta)
-    return new
