@@ -111,11 +111,16 @@ class Split:
         return self.post(block, self.attend(block, inputs, args, kwargs), state, args, kwargs)
 
 
-class OwnForward:
+class Shared:
+    """Shared, not copied, by ``copy.deepcopy``: a copy of a block (verification's reference and candidate, a
+    stage's copy) runs the same stack layer, anatomy or record, which holds no module of the block."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self
+
+
+class OwnForward(Shared):
     """The block's own (class) forward."""
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
         return type(block).forward(block, x, *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> OwnForward:
-        return self

@@ -47,6 +47,8 @@ from torch.utils.checkpoint import (
     set_device_states,
 )
 
+from lightning_parallel.block_protocol import Shared
+
 Policy = Literal["none", "full", "every_n", "selective", "no_attention"]
 POLICIES: tuple[str, ...] = ("none", "full", "every_n", "selective", "no_attention")
 
@@ -111,7 +113,7 @@ def validate(policy: str, every_n: int, mlp_chunks: int, offload: bool = False) 
         raise ValueError(f"mlp_chunks must be an int >= 1, got {mlp_chunks!r}")
 
 
-class Recomputed:
+class Recomputed(Shared):
     """A block's stack run under ``torch.utils.checkpoint`` (non-reentrant) with the policy's selective
     contexts. It holds no module (the stack gets the block at each call), so copies of a block share it."""
 
@@ -128,9 +130,6 @@ class Recomputed:
             self.keep |= attention_ops() | MATH_ATTENTION_OPS | set(extra)
         self._checked = policy != "no_attention"
         self._saw_attention = False
-
-    def __deepcopy__(self, memo: dict) -> Recomputed:
-        return self
 
     def _keeps(self, op: Any) -> bool:
         if op in self.keep:

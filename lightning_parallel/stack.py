@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_parallel.block_protocol import OwnForward
+from lightning_parallel.block_protocol import OwnForward, Shared
 from lightning_parallel.errors import ConfigurationError, Unsupported
 from lightning_parallel.recompute import Recomputed, resolve_op, validate
 from lightning_parallel.rng import tensor_parallel_rng, tensor_parallel_split
@@ -127,7 +127,7 @@ class Layouts:
 
 
 # ---------------------------------------------------------------------------------------- the stack
-class _SequenceParallel:
+class _SequenceParallel(Shared):
     """Step 3: this rank's tokens in, the whole sequence out; the inner forward distributes attention."""
 
     def __init__(self, inner: Forward, anatomy: Any, mesh: DeviceMesh, mode: str) -> None:
@@ -143,11 +143,8 @@ class _SequenceParallel:
             out = self.inner(block, mine, local_args, local_kwargs, shard)
         return _map_first(out, lambda y: shard.gather(y, dim))
 
-    def __deepcopy__(self, memo: dict) -> _SequenceParallel:
-        return self
 
-
-class _TokenShard:
+class _TokenShard(Shared):
     """Step 3 inside tensor parallelism (Korthikanti et al., arXiv 2205.05198): the block holds 1/tp of the
     tokens between its projections; it takes its slice on entry and all-gathers its output on exit."""
 
@@ -166,11 +163,8 @@ class _TokenShard:
             out = self.inner(block, shard.scatter(x, 1), args, kwargs, None)
         return _map_first(out, lambda y: shard.gather(y, 1))
 
-    def __deepcopy__(self, memo: dict) -> _TokenShard:
-        return self
 
-
-class _TensorParallelRNG:
+class _TensorParallelRNG(Shared):
     """Inside step 1: the block's call is a scope of :func:`lightning_parallel.rng.tensor_parallel_rng`, so that
     dropout on sharded activations (attention heads, the MLP's hidden layer) draws from this tp rank's stream
     and dropout on replicated ones from the default generator, the same on every tp rank."""
@@ -182,11 +176,8 @@ class _TensorParallelRNG:
         with tensor_parallel_rng(block, self.mesh, x.device):
             return self.inner(block, x, args, kwargs, shard)
 
-    def __deepcopy__(self, memo: dict) -> _TensorParallelRNG:
-        return self
 
-
-class _Plain:
+class _Plain(Shared):
     """No sequence split: the inner forward with ``shard=None``."""
 
     def __init__(self, inner: Forward) -> None:
@@ -195,11 +186,8 @@ class _Plain:
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> Any:
         return self.inner(block, x, args, kwargs, None)
 
-    def __deepcopy__(self, memo: dict) -> _Plain:
-        return self
 
-
-class _SavedToHost:
+class _SavedToHost(Shared):
     """Step 4 without recomputation, with ``offload``: everything the block saves for its backward waits in host
     memory (:func:`lightning_parallel.offload.saved_to_host`)."""
 
@@ -211,9 +199,6 @@ class _SavedToHost:
 
         with saved_to_host():
             return self.inner(block, x, args, kwargs)
-
-    def __deepcopy__(self, memo: dict) -> _SavedToHost:
-        return self
 
 
 def _map_first(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_parallel.anatomy.llama import LlamaAdapter
 from lightning_parallel.anatomy.nanogpt import NanoGPTAdapter
 from lightning_parallel.anatomy.torch_encoder import TorchEncoderAdapter
-from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, Split, State, sdpa
+from lightning_parallel.block_protocol import PLAIN, QKV, AttentionCall, Call, Shared, Split, State, sdpa
 from lightning_parallel.errors import Unsupported
 
 
@@ -195,14 +195,11 @@ class AdapterAnatomy:
         return OwnForward()
 
 
-class _AdapterForward:
+class _AdapterForward(Shared):
     """The adapter's split forward; with a sequence shard, its attention core distributed."""
 
     def __init__(self, adapter: BlockAdapter, sequence_sharded: bool) -> None:
         self.adapter, self.sequence_sharded = adapter, sequence_sharded
-
-    def __deepcopy__(self, memo: dict) -> _AdapterForward:
-        return self
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Tensor:
         from functools import partial

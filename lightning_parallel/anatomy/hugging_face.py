@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_parallel.anatomy.hf_config import PREFIX, configs_of
-from lightning_parallel.block_protocol import AttentionCall, Split, argument
+from lightning_parallel.block_protocol import AttentionCall, Shared, Split, argument
 from lightning_parallel.errors import ConfigurationError, Unsupported
 
 STYLES = {  # base_model_tp_plan style -> this library's module style
@@ -273,7 +273,7 @@ def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any
     return HuggingFaceAnatomy(configs[0], sample, family_level=not config.split, ring=ring)
 
 
-class HuggingFaceAnatomy:
+class HuggingFaceAnatomy(Shared):
     name = "hugging_face"
 
     def __init__(self, hf_config: Any, sample: tuple[Tensor, tuple, dict], family_level: bool,
@@ -282,9 +282,6 @@ class HuggingFaceAnatomy:
         self.original = getattr(hf_config, "_attn_implementation", None) or "eager"
         if self.original.startswith(PREFIX):
             self.original = self.original[len(PREFIX) :]
-
-    def __deepcopy__(self, memo: dict) -> HuggingFaceAnatomy:
-        return self
 
     def heads(self, block: nn.Module) -> tuple[int, int]:
         c = self.hf_config
@@ -469,11 +466,8 @@ def _call_of(traced: tuple[str, dict]) -> Any:
     return call
 
 
-class _HFForward:
+class _HFForward(Shared):
     """The model's own forward; with a sequence shard, its registered attention function distributes."""
-
-    def __deepcopy__(self, memo: dict) -> _HFForward:
-        return self
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
         if shard is None:

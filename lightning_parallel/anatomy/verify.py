@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from lightning_parallel import _collectives, watchdog
+from lightning_parallel.block_protocol import Shared
 from lightning_parallel.errors import ConfigurationError, VerificationError
 from lightning_parallel.rng import has_dropout
 
@@ -308,7 +309,7 @@ def synthetic(skeleton_: nn.Module, device: torch.device, seed: int) -> nn.Modul
     return block
 
 
-class Verdicts:
+class Verdicts(Shared):
     """The call structures (:func:`call_structure`) one composed block is known to reproduce the block on, and how
     to verify another. The first verdict is the one its stack was chosen by (the block's real parameters, its first
     call). A call of another structure (a row of packed documents after a row of one, a mask where there was
@@ -322,9 +323,6 @@ class Verdicts:
         self.first = call_structure(args, kwargs)
         self.known = {self.first}
         self.skeleton, self.what, self.seed, self.check = skeleton(block), what, seed, check
-
-    def __deepcopy__(self, memo: dict) -> Verdicts:
-        return self
 
     def ensure(self, x: Tensor, args: tuple, kwargs: dict) -> None:
         """Verify the stack on a call of this structure unless it already was; raise if it does not reproduce."""

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_parallel.anatomy.traced.analysis import Site, analyse
 from lightning_parallel.anatomy.traced.program import Program, trace
-from lightning_parallel.block_protocol import Split
+from lightning_parallel.block_protocol import Shared, Split
 from lightning_parallel.errors import Unsupported
 
 
@@ -41,7 +41,7 @@ def anatomy_of(block: nn.Module, sample: tuple[Tensor, tuple, dict], config: Any
     return TracedAnatomy(trace(block, x, args, kwargs), type(block).__name__)
 
 
-class TracedAnatomy:
+class TracedAnatomy(Shared):
     """One block's traced program and what it shows; see the package docstring."""
 
     family_level = False
@@ -49,9 +49,6 @@ class TracedAnatomy:
 
     def __init__(self, program: Program, block_name: str, tracer: Any = trace) -> None:
         self.program, self.block_name, self.tracer = program, block_name, tracer  # tracer: to trace it again
-
-    def __deepcopy__(self, memo: dict) -> TracedAnatomy:
-        return self
 
     @cached_property
     def _site(self) -> Site | Unsupported:
@@ -127,15 +124,12 @@ class TracedAnatomy:
         return split(program, site, config, self.block_name)
 
 
-class _Recipe:
+class _Recipe(Shared):
     """The transforms a block's program goes through for this rank's configuration, re-applicable to the
     block traced again (in the other mode: evaluation after training)."""
 
     def __init__(self, program: Program, config: Any, plan: Any, block_name: str, tracer: Any = trace) -> None:
         self.program, self.config, self.plan, self.block_name, self.tracer = program, config, plan, block_name, tracer
-
-    def __deepcopy__(self, memo: dict) -> _Recipe:
-        return self
 
     def transform(self, program: Program) -> Program:
         from lightning_parallel.anatomy.traced.sequence import sequence_parallel
@@ -165,16 +159,13 @@ class _Recipe:
             block.train(mode)
 
 
-class GraphForward:
+class GraphForward(Shared):
     """A transformed program as the block's inner forward: retargeted to the call's dtype and device, and
     traced again (same transforms) the first time the block runs in the other mode."""
 
     def __init__(self, recipe: _Recipe, programs: dict[bool, Program]) -> None:
         self.recipe, self.programs = recipe, programs
         self._targets: dict[tuple[bool, torch.dtype, torch.device], Program] = {}
-
-    def __deepcopy__(self, memo: dict) -> GraphForward:
-        return self
 
     def __call__(self, block: nn.Module, x: Tensor, args: tuple, kwargs: dict, shard: Any = None) -> Any:
         mode = block.training

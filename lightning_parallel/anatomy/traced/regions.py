@@ -32,7 +32,7 @@ from lightning_parallel.anatomy.traced.labels import _ELEMENTWISE, _IDENTITY, pr
 from lightning_parallel.anatomy.traced.manual import reads_values
 from lightning_parallel.anatomy.traced.program import Program, _buffer, _param, retargeted_module
 from lightning_parallel.anatomy.traced.rewrite import SKIP, rewrite
-from lightning_parallel.block_protocol import AttentionCall, Split
+from lightning_parallel.block_protocol import AttentionCall, Shared, Split
 from lightning_parallel.errors import ConfigurationError, Unsupported
 
 _DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
@@ -326,7 +326,7 @@ def _sizes_for(symbolic: list[fx.Node], available: list[fx.Node]) -> dict[fx.Nod
     return found
 
 
-class _Part:
+class _Part(Shared):
     """One part of a split traced program, retargeted to the call's dtype and device."""
 
     def __init__(self, program: Program, gm: fx.GraphModule) -> None:
@@ -335,9 +335,6 @@ class _Part:
         self.dropout = any(  # a random op whose rate the trace fixed for its mode
             n.op == "call_function" and n.target in _DROPOUT and len(n.args) > 1 and n.args[1] for n in gm.graph.nodes
         )
-
-    def __deepcopy__(self, memo: dict) -> _Part:
-        return self
 
     def _run(self, like: Tensor, block: nn.Module, inputs: list[Tensor], tensors: list[Any]) -> tuple:
         if self.dropout and block.training != self.program.training:
