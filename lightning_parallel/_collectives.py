@@ -268,6 +268,16 @@ def all_to_all_autograd(tensor: Tensor, group: ProcessGroup) -> Tensor:
     return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
 
 
+def all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> Tensor:
+    """All-to-all of ``rows`` along dim 0 with variable splits: ``send[j]`` rows (in order) to rank j of ``group``,
+    ``recv[j]`` from it, concatenated by source rank. Its backward is the reverse all-to-all (functional
+    collectives, as :func:`all_to_all_autograd`)."""
+    import torch.distributed._functional_collectives as fc
+
+    out = fc.all_to_all_single_autograd(rows.contiguous(), recv, send, group)
+    return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+
+
 def ring_shift(tensor: Tensor, group: ProcessGroup) -> Tensor:
     """Send ``tensor`` to the next rank of ``group``'s ring; return the previous rank's (same shape)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)

@@ -1,0 +1,124 @@
+"""Expert parallelism: a mixture's experts sharded over the ranks of an expert-parallel group, each token sent to
+its experts' ranks and back by all-to-all with variable splits (GShard, Lepikhin et al., arXiv 2006.16668, §2;
+dropless as MegaBlocks, Gale et al., arXiv 2211.15841: no capacity factor, no token dropped).
+
+The cut is the experts module's call ``experts(hidden (N, H), top_k_index (N, k), top_k_weights (N, k))``
+(transformers 5's mixtures: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS), made after the model's own router has
+chosen each token's experts, once, on the token's rank. With ``E`` experts over ``ep`` ranks, rank r holds experts
+``r·E/ep .. (r+1)·E/ep - 1``. Per call:
+
+1. dispatch (:func:`route`, :func:`dispatch`): the ``N·k`` (token, choice) pairs sorted by expert (stable); an
+   all-to-all of the ``E`` counts tells each rank how many rows every peer sends to each of its experts; then
+   the rows travel;
+2. the module's own forward runs on the received rows with its local experts, each row routed to one local expert
+   with weight 1, so a row's output is exactly ``expert(row)`` as the model's code computes it (its gate, biases,
+   activation and weight layout alike);
+3. combine (:func:`combine`): the rows go back by the reverse all-to-all, are put back in pair order, and each
+   token's output is ``Σ_j weight_j · y_j`` over its k choices, on the token's rank.
+
+The backward of each all-to-all is the reverse one (:func:`lightning_parallel._collectives.all_to_all_rows`): an
+expert's weight gradient on its rank sums every peer's tokens routed to it, each token's gradient returns to its
+rank, and the routing weights' gradient is computed where the router ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel import _collectives
+from lightning_parallel.errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One call's traffic: ``order`` sorts the ``N·k`` pairs by expert; ``send[j]`` / ``recv[j]`` rows go to / come
+    from ep rank j; ``local[m]`` is the local expert of received row m."""
+
+    order: Tensor
+    send: list[int]
+    recv: list[int]
+    local: Tensor
+
+
+def route(top_k_index: Tensor, num_experts: int, group: Any) -> Routing:
+    """Where each of this rank's (token, choice) pairs goes (step 1 of the module docstring): one all-to-all of
+    the per-expert counts."""
+    ep = dist.get_world_size(group)
+    per_rank = num_experts // ep
+    flat = top_k_index.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # [source rank][local expert]
+    local = torch.arange(per_rank, device=flat.device).repeat(ep).repeat_interleave(received)
+    send = counts.view(ep, per_rank).sum(1).tolist()
+    recv = received.view(ep, per_rank).sum(1).tolist()
+    return Routing(torch.argsort(flat, stable=True), send, recv, local)
+
+
+def dispatch(hidden: Tensor, routing: Routing, k: int, group: Any) -> Tensor:
+    """The rows this rank's experts compute: every peer's pairs routed here, by source rank, then local expert."""
+    return _collectives.all_to_all_rows(hidden[routing.order // k], routing.send, routing.recv, group)
+
+
+def combine(rows: Tensor, routing: Routing, top_k_weights: Tensor, group: Any) -> Tensor:
+    """Each token's output from its experts' ``rows`` (computed on their ranks): ``Σ_j weight_j · y_j``."""
+    back = _collectives.all_to_all_rows(rows, routing.recv, routing.send, group)
+    pairs = back[torch.argsort(routing.order)]  # the pairs in (token, choice) order
+    n, k = top_k_weights.shape
+    return (pairs.view(n, k, -1) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
+
+
+def _expert_parameters(module: nn.Module, num_experts: int) -> list[str]:
+    """The module's own parameters stacked by expert (dim 0 of size ``num_experts``)."""
+    return [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == num_experts]
+
+
+def check_experts(num_experts: int, ep: int, where: str) -> None:
+    """Refuse a split the experts cannot take, naming the numbers and the argument."""
+    if num_experts % ep:
+        raise ConfigurationError(
+            f"{where} has {num_experts} experts, which expert_parallel_size={ep} does not divide; choose an"
+            f" expert_parallel_size that divides {num_experts}"
+        )
+
+
+class ExpertParallelForward:
+    """An experts module's call under expert parallelism (module docstring): ``inner`` is its own forward, which
+    runs on this rank's experts."""
+
+    def __init__(self, module: nn.Module, inner: Any, num_experts: int, group: Any) -> None:
+        self.module, self.inner, self.num_experts, self.group = module, inner, num_experts, group
+
+    def __call__(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        routing = route(top_k_index, self.num_experts, self.group)
+        rows = dispatch(hidden, routing, top_k_index.shape[-1], self.group)
+        ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = self.inner(rows, routing.local.unsqueeze(1), ones)
+        return combine(out, routing, top_k_weights, self.group)
+
+
+def shard_experts(module: nn.Module, group: Any, num_experts: int | None = None) -> list[str]:
+    """Keep this rank's experts of ``module`` (a transformers 5 experts module: parameters stacked by expert, the
+    count in ``num_experts``) and make its call dispatch and combine over ``group``; in place. Returns the names
+    of the parameters now holding this rank's experts."""
+    total = int(num_experts if num_experts is not None else module.num_experts)
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_experts(total, ep, type(module).__name__)
+    per_rank = total // ep
+    names = _expert_parameters(module, total)
+    for name in names:
+        whole = getattr(module, name)
+        mine = whole.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
+        setattr(module, name, nn.Parameter(mine, requires_grad=whole.requires_grad))
+    if hasattr(module, "num_experts"):
+        module.num_experts = per_rank
+    module.forward = ExpertParallelForward(module, module.forward, total, group)
+    return names
+
+
+__all__ = ["ExpertParallelForward", "Routing", "check_experts", "combine", "dispatch", "route", "shard_experts"]
