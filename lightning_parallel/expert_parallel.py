@@ -10,9 +10,10 @@ chosen each token's experts, once, on the token's rank. With ``E`` experts over 
 1. dispatch (:func:`route`, :func:`dispatch`): the ``N·k`` (token, choice) pairs sorted by expert (stable); an
    all-to-all of the ``E`` counts tells each rank how many rows every peer sends to each of its experts; then
    the rows travel;
-2. the module's own forward runs on the received rows with its local experts, each row routed to one local expert
-   with weight 1, so a row's output is exactly ``expert(row)`` as the model's code computes it (its gate, biases,
-   activation and weight layout alike);
+2. the module's own (class) forward runs on the received rows with its local experts (the local parts of its
+   expert parameters, DTensors sharded by expert over the ep mesh: a checkpoint holds each expert once), each row
+   routed to one local expert with weight 1, so a row's output is exactly ``expert(row)`` as the model's code
+   computes it (its gate, biases, activation and weight layout alike);
 3. combine (:func:`combine`): the rows go back by the reverse all-to-all, are put back in pair order, and each
    token's output is ``Σ_j weight_j · y_j`` over its k choices, on the token's rank.
 
@@ -23,12 +24,15 @@ rank, and the routing weights' gradient is computed where the router ran.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel import _collectives
 from lightning_parallel.errors import ConfigurationError
@@ -73,7 +77,22 @@ def combine(rows: Tensor, routing: Routing, top_k_weights: Tensor, group: Any) -
     return (pairs.view(n, k, -1) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
 
 
-def _expert_parameters(module: nn.Module, num_experts: int) -> list[str]:
+def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's experts modules: a ``num_experts`` count, parameters stacked by expert (dim 0 of that size) and
+    a forward called as ``experts(hidden, top_k_index, top_k_weights)`` (transformers 5's mixtures; GPT-OSS names
+    them ``router_indices``, ``routing_weights``)."""
+    found = []
+    for name, module in model.named_modules():
+        count = getattr(module, "num_experts", None)
+        if not isinstance(count, int) or isinstance(module.forward, ExpertParallelForward):
+            continue
+        params = list(inspect.signature(type(module).forward).parameters)[1:4]
+        if len(params) == 3 and "ind" in params[1] and "weight" in params[2] and _stacked(module, count):
+            found.append((name, module))
+    return found
+
+
+def _stacked(module: nn.Module, num_experts: int) -> list[str]:
     """The module's own parameters stacked by expert (dim 0 of size ``num_experts``)."""
     return [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == num_experts]
 
@@ -88,37 +107,66 @@ def check_experts(num_experts: int, ep: int, where: str) -> None:
 
 
 class ExpertParallelForward:
-    """An experts module's call under expert parallelism (module docstring): ``inner`` is its own forward, which
-    runs on this rank's experts."""
+    """An experts module's call under expert parallelism (module docstring): its class forward runs on the local
+    parts of its expert parameters (DTensors sharded by expert over the ep mesh), on the rows sent here."""
 
-    def __init__(self, module: nn.Module, inner: Any, num_experts: int, group: Any) -> None:
-        self.module, self.inner, self.num_experts, self.group = module, inner, num_experts, group
+    def __init__(self, module: nn.Module, num_experts: int, mesh: DeviceMesh) -> None:
+        self.module, self.num_experts, self.mesh = module, num_experts, mesh
 
-    def __call__(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        routing = route(top_k_index, self.num_experts, self.group)
-        rows = dispatch(hidden, routing, top_k_index.shape[-1], self.group)
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
+        hidden, top_k_index, top_k_weights = list(bound.arguments.values())[1:4]
+        group = self.mesh.get_group()
+        routing = route(top_k_index, self.num_experts, group)
+        rows = dispatch(hidden, routing, top_k_index.shape[-1], group)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        out = self.inner(rows, routing.local.unsqueeze(1), ones)
-        return combine(out, routing, top_k_weights, self.group)
+        mine = {f"module.{n}": p.to_local() for n, p in self.module.named_parameters() if isinstance(p, DTensor)}
+        own = _ClassForward(self.module)
+        out = torch.func.functional_call(own, mine, (rows, routing.local.unsqueeze(1), ones), strict=False)
+        return combine(out, routing, top_k_weights, group)
+
+    def __deepcopy__(self, memo: dict) -> ExpertParallelForward:
+        """A copy of the module (a block's verification copy) calls its own copy's experts."""
+        return ExpertParallelForward(memo.get(id(self.module), self.module), self.num_experts, self.mesh)
 
 
-def shard_experts(module: nn.Module, group: Any, num_experts: int | None = None) -> list[str]:
-    """Keep this rank's experts of ``module`` (a transformers 5 experts module: parameters stacked by expert, the
-    count in ``num_experts``) and make its call dispatch and combine over ``group``; in place. Returns the names
-    of the parameters now holding this rank's experts."""
-    total = int(num_experts if num_experts is not None else module.num_experts)
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+class _ClassForward(nn.Module):
+    """``module``'s class forward (its instance forward is the :class:`ExpertParallelForward` calling this)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> Any:
+        return type(self.module).forward(self.module, *args)
+
+
+def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Keep this rank's experts of ``module`` (see :func:`find_experts`) as DTensors sharded by expert over the 1-D
+    ``mesh`` (no communication: every rank holds the same whole values), and make its call dispatch and combine
+    over it; in place. Returns the names of the parameters sharded."""
+    total: int = module.num_experts  # type: ignore[assignment]
+    ep, rank = mesh.size(), mesh.get_local_rank()
     check_experts(total, ep, type(module).__name__)
     per_rank = total // ep
-    names = _expert_parameters(module, total)
+    names = _stacked(module, total)
     for name in names:
         whole = getattr(module, name)
-        mine = whole.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
-        setattr(module, name, nn.Parameter(mine, requires_grad=whole.requires_grad))
-    if hasattr(module, "num_experts"):
-        module.num_experts = per_rank
-    module.forward = ExpertParallelForward(module, module.forward, total, group)
+        mine = whole.detach()[rank * per_rank : (rank + 1) * per_rank].contiguous()
+        sharded = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride())
+        setattr(module, name, nn.Parameter(sharded, requires_grad=whole.requires_grad))
+    module.num_experts = per_rank  # what the module's own code loops over: its local experts
+    module.forward = ExpertParallelForward(module, total, mesh)
     return names
 
 
-__all__ = ["ExpertParallelForward", "Routing", "check_experts", "combine", "dispatch", "route", "shard_experts"]
+__all__ = [
+    "ExpertParallelForward",
+    "Routing",
+    "check_experts",
+    "combine",
+    "dispatch",
+    "find_experts",
+    "route",
+    "shard_experts",
+]

@@ -274,6 +274,7 @@ def overlappable(strategy: Any) -> bool:
         strategy._dp.bucket_cap_mb > 0
         and dims.dp > 1
         and strategy._dp.mode == "none"
+        and strategy._experts.size == 1  # an expert's gradient is averaged over its replicas only
         and lm is not None
         and lm.automatic_optimization
     )

@@ -117,6 +117,7 @@ class ProcessesMixin(ParallelStrategy):
         self._refuse_unused(dims)
         if self._dp.mode == "full" and dims.dp > 1:
             check_full(self.strategy_name, self._cuts_blocks)
+        self._experts.check(dims, self._dp.mode if dims.dp > 1 else "none", self.strategy_name)
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             environment = self.cluster_environment
@@ -167,6 +168,7 @@ class ProcessesMixin(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._mesh = dims.build_mesh(self.root_device.type)
+        self._experts.connect(self._mesh, dims)
         rank_zero_info(f"lightning-parallel {self.strategy_name}: {self._layout_line(dims)}")
         self._lanes = None
         if dims.pp > 1:  # every rank makes every pipeline group's lanes

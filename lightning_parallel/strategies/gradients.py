@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from lightning_parallel import _collectives
 from lightning_parallel.blocks import Layouts
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims
+from lightning_parallel.strategies._experts import ExpertLayout
 from lightning_parallel.strategies._full_shard import is_fully_sharded
 from lightning_parallel.strategies._overlap import GradientBuckets
 from lightning_parallel.strategies._sharding import ShardedOptimizer
@@ -46,6 +47,10 @@ class GradientPlan:
     dp_mode: str  # "replicate" (every replica holds every gradient), "optimizer" (ZeRO-1/2) or "full" (FSDP2)
     layouts: Optional[Layouts]
     outer: Optional[OuterShards]  # the pipeline strategies' pre/post-trunk parameters
+    experts: Optional[ExpertLayout] = None  # expert parallelism's sharded experts
+
+    def expert_ids(self) -> set[int]:
+        return {id(p) for p in self.experts.params} if self.experts is not None else set()
 
     def group(self, axis: str) -> Any:
         """The group of ``axis`` when it has more than one rank, else ``None``."""
@@ -85,10 +90,19 @@ def sync_(optimizer: Optimizer, plan: GradientPlan, step: StepGradients) -> Opti
         if layout is not None and layout.partial:
             grads = [local(p.grad) for p in layout.partial if id(p) in mine and p.grad is not None]
             _collectives.all_reduce_sum_(grads, plan.group(axis))
-    # 4. dp: the mean over the replicas, as each data-parallel mode holds the gradients
+    # 4. dp: the mean over the replicas, as each data-parallel mode holds the gradients; an expert's gradient sums
+    # its ep group's tokens already: the mean over the ranks holding the same experts, divided by ep
     group = plan.group(DP)
     if group is None:
         return None
+    experts = plan.expert_ids()
+    if experts:
+        assert plan.experts is not None
+        _sum_used_([p for p in params if id(p) in experts], plan.experts.replicas, mean=True)
+        for p in params:
+            if id(p) in experts and p.grad is not None:
+                local(p.grad).div_(plan.experts.size)
+        params = [p for p in params if id(p) not in experts]
     if plan.dp_mode == "optimizer":  # reduce-scattered: each rank keeps the mean of its chunk
         assert step.shards is not None
         return step.shards.reduce_scatter_gradients_()
@@ -124,7 +138,9 @@ def clip_norm_(
     (:func:`counts_in_norm`) summed over tp, pp and, where each rank holds a chunk of every gradient (a ZeRO
     window, FSDP2), dp. Returns ``total``."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    counted = [local(p.grad) for p in params if counts_in_norm(plan, _original(p, shards.values()), shards.values())]
+    experts = plan.expert_ids()  # every expert counts once, on its rank of the ep group
+    counted = [local(p.grad) for p in params if id(p) not in experts
+               and counts_in_norm(plan, _original(p, shards.values()), shards.values())]  # fmt: skip
     chunked = any(s.open for s in shards.values()) or plan.dp_mode == "full"
     groups = [g for g in (plan.group(TP), plan.group(PP), plan.group(DP) if chunked else None) if g is not None]
     norms = [torch.linalg.vector_norm(g, 2) for g in counted]
@@ -135,6 +151,10 @@ def clip_norm_(
     dtype = squares.dtype
     for group in groups:
         squares = _collectives.sum_of_squares(squares, group)
+    if plan.experts is not None:
+        mine = [torch.linalg.vector_norm(local(p.grad), 2) for p in params if id(p) in experts]
+        expert_squares = torch.stack(mine).pow(2).sum() if mine else torch.zeros_like(squares)
+        squares = squares + _collectives.sum_of_squares(expert_squares.to(squares), plan.experts.group)
     total = squares.sqrt().to(dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
@@ -163,8 +183,12 @@ def norms(
         raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type}")
     inf = norm_type == float("inf")
     mine: dict[str, float] = {}
-    if plan.coordinate[DP] == 0 and plan.coordinate[SP] == 0:  # replicas and sp ranks hold the same gradients
-        for name, p in module.named_parameters():
+    experts = plan.expert_ids()
+    ep = plan.experts.size if plan.experts is not None else 1
+    if plan.coordinate[DP] < ep and plan.coordinate[SP] == 0:  # replicas and sp ranks hold the same gradients
+        for name, p in module.named_parameters():  # (each rank of the first ep group holds its own experts)
+            if plan.coordinate[DP] > 0 and id(p) not in experts:
+                continue
             if p.grad is not None and counts_in_norm(plan, p):
                 g = local(p.grad).detach().double()
                 mine[name] = float(g.abs().max()) if inf else float(g.norm(norm_type) ** norm_type)

@@ -49,6 +49,7 @@ from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
 from lightning_parallel.strategies import _failures, _sharding, gradients
 from lightning_parallel.strategies._dp_sharding import DataParallel, DataParallelShardingMixin
+from lightning_parallel.strategies._experts import ExpertParallel
 from lightning_parallel.strategies._head import ChunkedHeads
 from lightning_parallel.strategies._logging import MetricStepper, TokenMeanLogs, recording
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
@@ -145,6 +146,10 @@ class HybridParallelStrategy(
         bucket_cap_mb: plain data parallelism averages the gradients in buckets of at most this many MiB, each
             issued as soon as the backward has produced it (overlapped with the rest of the backward, as DDP's
             buckets; :mod:`lightning_parallel.strategies._overlap`); 0: one average after the backward.
+        expert_parallel_size: shard a mixture's experts over this many data-parallel ranks (each holds
+            ``num_experts / ep`` experts; tokens go to their experts' ranks and back by all-to-all, dropless;
+            :mod:`lightning_parallel.expert_parallel`); must divide ``data_parallel_size``. For now with plain data
+            parallelism only (no pipeline, tensor or sequence parallelism, no ``data_parallel_sharding``).
     """
 
     strategy_name = "hybrid"
@@ -181,6 +186,7 @@ class HybridParallelStrategy(
         loss_chunks: int = 1,
         configure_model_on_meta: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        expert_parallel_size: int = 1,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -206,6 +212,7 @@ class HybridParallelStrategy(
         self._sp_mode_given = sequence_parallel_mode is not None  # refused at launch where sp resolves to 1
         self._dp = DataParallel(data_parallel_sharding, bucket_cap_mb)  # the mode, buckets, FSDP2 root, ZeRO chunks
         self._heads = ChunkedHeads(loss_chunks)
+        self._experts = ExpertParallel(expert_parallel_size)  # the ep axis, split from dp
         self._vocabulary_parallel, self._trunk_path = vocabulary_parallel, trunk
         self._configure_on_meta, self._save_distributed = configure_model_on_meta, save_distributed_checkpoint
         self._process_group_backend, self._start_method, self._num_nodes = process_group_backend, start_method, 1
@@ -236,6 +243,7 @@ class HybridParallelStrategy(
         self._sync_module_states(self.model)
         self._fully_shard_built(lm)  # after the broadcast above: it would overwrite the shards
         self._shard_outer(lm)  # likewise (the pipeline strategies' parameters outside the trunk)
+        self._experts.shard(lm)  # likewise (each rank keeps its experts)
         if self._heads.on:
             self._heads.find(lm, self._blocks.trunk.blocks if self._blocks else _blocks_of(lm, self._trunk_path))
         for metric in MetricStepper(lm, False).metrics.values():
@@ -273,7 +281,8 @@ class HybridParallelStrategy(
         groups = {axis: self._mesh.get_group(axis) for axis in AXES} if self._mesh is not None else {}
         mode = self._dp.mode if dims.dp > 1 and self._dp.mode in ("optimizer", "full") else "replicate"
         layouts = self._blocks.layouts if self._blocks is not None else None
-        return gradients.GradientPlan(dims, self.coordinate, groups, mode, layouts, self._outer_gradients())
+        outer, experts = self._outer_gradients(), self._experts.layout
+        return gradients.GradientPlan(dims, self.coordinate, groups, mode, layouts, outer, experts)
 
     def _outer_gradients(self) -> Optional[OuterShards]:
         """The pre/post-trunk parameters the pipeline strategies hold per stage (none here)."""

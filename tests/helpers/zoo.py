@@ -112,14 +112,19 @@ class HFCausalLM(_Optim, L.LightningModule):
         super().__init__()
         import transformers
 
+        family, _, experts = family.partition("@")  # "mixtral@batched_mm": transformers' experts implementation
         config = hf_config(family, vocab_size, num_layers)
+        if experts:
+            config._experts_implementation = experts
         self.model = transformers.AutoModelForCausalLM.from_config(config)
         self.lr, self.opt = lr, optimizer
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
         logits = self.model(input_ids=idx).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # at least float32, as transformers' own loss (float64 stays float64: the parity contract's dtype)
+        loss = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                               targets.flatten())  # fmt: skip
         self.log("train_loss", loss)
         return loss
 

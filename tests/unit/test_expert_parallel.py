@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_parallel.errors import ConfigurationError
-from lightning_parallel.expert_parallel import check_experts, shard_experts
+from lightning_parallel.expert_parallel import check_experts, find_experts, shard_experts
 from tests.helpers.distributed import run_distributed
 from tests.helpers.zoo import hf_config
 
@@ -56,19 +56,21 @@ def _rank(rank: int, world: int, family: str, experts: str) -> None:
 
     experts = block.get_submodule("experts")
     total = experts.num_experts
-    names = shard_experts(experts, dist.group.WORLD)
-    assert names and experts.num_experts == total // world
+    assert find_experts(block) == [("experts", experts)]
+    names = shard_experts(experts, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_ep",)))
+    assert names and experts.num_experts == total // world and not find_experts(block)
     out, grad = _run(block, _tokens(rank))
     torch.testing.assert_close(out, expected[rank][0], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grad, expected[rank][1], rtol=1e-9, atol=1e-12)
     assert torch.equal(mine_only[0], expected[rank][0])
     per = total // world
     for name, p in block.named_parameters():
+        grad = p.grad
         if name.startswith("experts.") and name.split(".")[-1] in names:  # this rank's experts, every rank's tokens
-            want = expected_grads[name][rank * per : (rank + 1) * per]
+            grad, want = grad.to_local(), expected_grads[name][rank * per : (rank + 1) * per]
         else:  # the router and any shared expert: this rank's tokens only
             want = router_grads[name]
-        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grad, want, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("experts", ["eager", "batched_mm"])

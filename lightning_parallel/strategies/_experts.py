@@ -1,0 +1,97 @@
+"""The expert-parallel axis of the strategies (``expert_parallel_size=``): a part that checks the layout, builds
+the axis from the data-parallel ranks, shards the model's experts at set-up and tells the gradient recipe which
+parameters are experts (:mod:`lightning_parallel.expert_parallel` is the mechanism).
+
+Expert parallelism reuses the data-parallel ranks, as torchtitan does: the dp axis is split into
+``dp / ep`` replicas of ``ep`` ranks each (``DeviceMesh._unflatten``: ``dp_replicate`` x ``dp_ep``, consecutive dp
+ranks in one ep group); each rank of an ep group holds ``num_experts / ep`` experts and computes them for every
+token of its group. An expert's gradient on its rank is then the sum over its group's tokens; the step's mean over
+the replicas is completed by a mean over the ``dp / ep`` ranks holding the same experts and a division by ``ep``
+(:func:`lightning_parallel.strategies.gradients.sync_`), and the norm counts each expert once (its squares summed
+over the ep group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.expert_parallel import find_experts, shard_experts
+from lightning_parallel.mesh import DP, ParallelDims
+
+#: the ep axis's name: it is a part of dp (the set-up broadcast along dp leaves its shards alone)
+EP = "dp_ep"
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """What the gradient recipe needs: the expert parameters, the ep group (their squares sum over it in the norm),
+    the group of the ranks holding the same experts (their gradients' mean) and ep."""
+
+    params: list[nn.Parameter]
+    group: Any
+    replicas: Any
+    size: int
+
+
+class ExpertParallel:
+    """The expert-parallel axis of one strategy (module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"expert_parallel_size must be a positive int, got {size!r}")
+        self.size = size
+        self.mesh: Optional[DeviceMesh] = None  # the 2-D (dp_replicate, dp_ep) mesh, made with the strategy's
+        self.layout: Optional[ExpertLayout] = None
+
+    def check(self, dims: ParallelDims, sharding: str, strategy: str) -> None:
+        """Refuse a layout the axis cannot take, before any process starts."""
+        if self.size == 1:
+            return
+        if dims.dp % self.size:
+            raise ValueError(
+                f"expert_parallel_size={self.size} must divide data_parallel_size={dims.dp}: expert parallelism"
+                f" reuses the data-parallel ranks; give data_parallel_size a multiple of {self.size}"
+            )
+        others = {"pipeline_parallel_size": dims.pp, "tensor_parallel_size": dims.tp, "sequence_parallel_size": dims.sp}
+        composed = [f"{name}={size}" for name, size in others.items() if size > 1]
+        if sharding != "none":
+            composed.append(f"data_parallel_sharding={sharding!r}")
+        if composed:
+            raise ConfigurationError(
+                f"strategy={strategy!r} with expert_parallel_size={self.size} and {', '.join(composed)} is not"
+                " supported yet: expert parallelism runs over plain data parallelism for now; drop those arguments"
+                " or expert_parallel_size"
+            )
+
+    def connect(self, mesh: DeviceMesh, dims: ParallelDims) -> None:
+        """Split the dp axis of the strategy's mesh into (replicas, ep) (a collective on every rank)."""
+        self.mesh = None
+        if self.size > 1:
+            self.mesh = mesh._unflatten(DP, (dims.dp // self.size, self.size), ("dp_replicate", EP))
+
+    def shard(self, module: nn.Module) -> None:
+        """Shard the model's experts over the ep axis (after the set-up broadcast, before the optimizers)."""
+        if self.mesh is None:
+            self.layout = None
+            return
+        found = find_experts(module)
+        sharded = {id(p) for p in self.layout.params} if self.layout is not None else set()
+        if not found and not sharded:  # the same model on every rank: every rank raises alike
+            raise ConfigurationError(
+                f"expert_parallel_size={self.size} found no experts in {type(module).__name__}: it shards modules"
+                " with a num_experts count and parameters stacked by expert, called as experts(hidden, top_k_index,"
+                " top_k_weights), as transformers 5's mixtures; drop expert_parallel_size"
+            )
+        for _, experts in found:
+            shard_experts(experts, self.mesh[EP])
+        params = [
+            p for p in module.parameters() if isinstance(p, DTensor) and EP in (p.device_mesh.mesh_dim_names or ())
+        ]
+        replicas = self.mesh["dp_replicate"].get_group()
+        self.layout = ExpertLayout(params, self.mesh[EP].get_group(), replicas, self.size)
