@@ -27,6 +27,7 @@ LAYOUTS = {
     "one": (lambda: HybridParallelStrategy(data_parallel_size=1), 1, 1),
     "dp2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
     "dp2zero": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"), 2, 2),
+    "dp2ep2": (lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2), 2, 2),
     "dp2tp2zero": (
         lambda: HybridParallelStrategy(
             data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="optimizer"
