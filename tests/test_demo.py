@@ -64,3 +64,18 @@ def test_helix_x_tensor_parallel_config_trains_on_four_processes(tmp_path):
     assert "Starting with 4 processes" in proc.stderr + proc.stdout
     losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss ([\d.]+)$", proc.stdout, flags=re.M)]
     assert len(losses) == 2 and losses[-1] < losses[0], proc.stdout
+
+
+@pytest.mark.slow  # (time: 35 s, 2 LightningCLI processes)
+def test_mixture_of_experts_config_trains_with_expert_parallelism(tmp_path):
+    """examples/configs/moe_ep.yaml through LightningCLI and Lightning's own launcher: Mixtral's experts split
+    over 2 processes (expert_parallel_size=2), the loss falls."""
+    cmd = [
+        sys.executable, "-m", "examples.train", "fit", "--config", str(ROOT / "examples/configs/moe_ep.yaml"),
+        "--trainer.max_steps=40", "--trainer.val_check_interval=40", f"--trainer.default_root_dir={tmp_path}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Starting with 2 processes" in proc.stderr + proc.stdout
+    losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss ([\d.]+)$", proc.stdout, flags=re.M)]
+    assert len(losses) == 2 and losses[-1] < losses[0], proc.stdout

@@ -3,5 +3,6 @@
 from examples.models.encoder import EncoderClassifier
 from examples.models.gpt import GPT
 from examples.models.llama import Llama
+from examples.models.mixtral import Mixtral
 
-__all__ = ["GPT", "EncoderClassifier", "Llama"]
+__all__ = ["GPT", "EncoderClassifier", "Llama", "Mixtral"]
