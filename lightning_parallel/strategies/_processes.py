@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -34,12 +36,28 @@ from lightning_parallel.strategies._full_shard import check_full
 
 #: the exit code of a job stopped by SIGTERM, on every strategy (128 + the signal's number, as a shell reports it)
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """How the ranks start and talk (the constructor's ``process_group_backend``, ``timeout``,
+    ``first_step_timeout``, ``start_method``), checked when the strategy is built."""
+
+    backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+    timeout: Optional[timedelta] = timedelta(minutes=30)
+    first_step_timeout: Optional[timedelta] = timedelta(minutes=15)
+    start_method: str = "popen"
+
+    def __post_init__(self) -> None:
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"start_method={self.start_method!r}; choose one of {START_METHODS}")
 
 
 class ProcessesMixin(ParallelStrategy):
     """The layout, mesh, launcher and process group of :class:`~lightning_parallel.HybridParallelStrategy`
-    (it sets ``_sizes``, ``_dims``, ``_mesh``, ``_num_nodes``, ``_start_method``, ``_timeout`` and
-    ``_process_group_backend`` in its constructor)."""
+    (it sets ``_sizes``, ``_dims``, ``_mesh``, ``_num_nodes`` and ``_processes``, a :class:`ProcessSettings`, in its
+    constructor)."""
 
     @property
     def num_nodes(self) -> int:
@@ -119,11 +137,11 @@ class ProcessesMixin(ParallelStrategy):
             check_full(self.strategy_name, self._cuts_blocks)
         self._experts.check(dims, self._dp.mode if dims.dp > 1 else "none", self.strategy_name)
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
+        if self._processes.start_method == "popen":
             environment = self.cluster_environment
             self._launcher = _failures.NamingScriptLauncher(environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._processes.start_method)
 
     def _layout_line(self, dims: ParallelDims) -> str:
         """One line for the log: the sizes, and which sequence parallelism runs."""
@@ -163,10 +181,9 @@ class ProcessesMixin(ParallelStrategy):
                 f"the layout {dims} needs {dims.world_size} processes, but the cluster environment reports"
                 f" world size {self.cluster_environment.world_size()}"
             )
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
+        backend = self._processes.backend or _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._processes.timeout)
         self._mesh = dims.build_mesh(self.root_device.type)
         self._experts.connect(self._mesh, dims)
         rank_zero_info(f"lightning-parallel {self.strategy_name}: {self._layout_line(dims)}")
@@ -175,7 +192,7 @@ class ProcessesMixin(ParallelStrategy):
             grid = self._mesh.mesh.movedim(AXES.index(PP), -1).reshape(-1, dims.pp).tolist()
             self._lanes = _p2p.make_lanes(grid, self.pp_group)
         self._peers = _collectives.all_gather_object(_failures.whoami())  # to name a rank that dies
-        bound = self._first_step_timeout
+        bound = self._processes.first_step_timeout
         watchdog.configure(
             None if bound is None else bound.total_seconds(),
             self.global_rank,

@@ -55,7 +55,7 @@ from lightning_parallel.strategies._logging import MetricStepper, TokenMeanLogs,
 from lightning_parallel.strategies._optimizers import avoid_mixed_foreach, drop_parameters
 from lightning_parallel.strategies._overlap import DEFAULT_BUCKET_CAP_MB
 from lightning_parallel.strategies._pending import DeferredInit
-from lightning_parallel.strategies._processes import ProcessesMixin
+from lightning_parallel.strategies._processes import ProcessesMixin, ProcessSettings
 from lightning_parallel.strategies._recipe import SetupRecipeMixin
 from lightning_parallel.strategies._sharding import Sharding
 from lightning_parallel.strategies._stage_local import OuterShards
@@ -215,8 +215,8 @@ class HybridParallelStrategy(
         self._experts = ExpertParallel(expert_parallel_size)  # the ep axis, split from dp
         self._vocabulary_parallel, self._trunk_path = vocabulary_parallel, trunk
         self._configure_on_meta, self._save_distributed = configure_model_on_meta, save_distributed_checkpoint
-        self._process_group_backend, self._start_method, self._num_nodes = process_group_backend, start_method, 1
-        self._timeout, self._first_step_timeout = timeout, first_step_timeout
+        self._processes = ProcessSettings(process_group_backend, timeout, first_step_timeout, start_method)
+        self._num_nodes = 1
         # what set-up and the steps fill in
         self._deferred = DeferredInit()  # configure_model's tape, the seed, the blocks pending until their first call
         self._blocks: Optional[BlockLayer] = None
