@@ -268,6 +268,14 @@ def all_to_all_autograd(tensor: Tensor, group: ProcessGroup) -> Tensor:
     return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
 
 
+def all_to_all_counts(counts: Tensor, group: ProcessGroup) -> Tensor:
+    """Equal-split all-to-all of ``counts`` (no autograd): rank j of ``group`` gets the j-th of its equal parts from
+    every rank, concatenated by source rank (expert parallelism's per-expert counts)."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return received
+
+
 def all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> Tensor:
     """All-to-all of ``rows`` along dim 0 with variable splits: ``send[j]`` rows (in order) to rank j of ``group``,
     ``recv[j]`` from it, concatenated by source rank. Its backward is the reverse all-to-all (functional

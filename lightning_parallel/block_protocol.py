@@ -119,6 +119,19 @@ class Shared:
         return self
 
 
+class ClassForward(nn.Module):
+    """``module``'s class forward, for ``torch.func.functional_call`` with other parameters (the local parts of its
+    DTensors) where its instance forward is a wrapper calling this: tensor parallelism's experts, expert
+    parallelism's."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
 class OwnForward(Shared):
     """The block's own (class) forward."""
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel import _collectives
+from lightning_parallel.block_protocol import ClassForward
 from lightning_parallel.errors import ConfigurationError
 
 
@@ -52,12 +52,11 @@ class Routing:
 def route(top_k_index: Tensor, num_experts: int, group: Any) -> Routing:
     """Where each of this rank's (token, choice) pairs goes (step 1 of the module docstring): one all-to-all of
     the per-expert counts."""
-    ep = dist.get_world_size(group)
+    ep = _collectives.group_size(group)
     per_rank = num_experts // ep
     flat = top_k_index.reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # [source rank][local expert]
+    received = _collectives.all_to_all_counts(counts, group)  # [source rank][local expert]
     local = torch.arange(per_rank, device=flat.device).repeat(ep).repeat_interleave(received)
     send = counts.view(ep, per_rank).sum(1).tolist()
     recv = received.view(ep, per_rank).sum(1).tolist()
@@ -121,24 +120,13 @@ class ExpertParallelForward:
         rows = dispatch(hidden, routing, top_k_index.shape[-1], group)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         mine = {f"module.{n}": p.to_local() for n, p in self.module.named_parameters() if isinstance(p, DTensor)}
-        own = _ClassForward(self.module)
+        own = ClassForward(self.module)
         out = torch.func.functional_call(own, mine, (rows, routing.local.unsqueeze(1), ones), strict=False)
         return combine(out, routing, top_k_weights, group)
 
     def __deepcopy__(self, memo: dict) -> ExpertParallelForward:
         """A copy of the module (a block's verification copy) calls its own copy's experts."""
         return ExpertParallelForward(memo.get(id(self.module), self.module), self.num_experts, self.mesh)
-
-
-class _ClassForward(nn.Module):
-    """``module``'s class forward (its instance forward is the :class:`ExpertParallelForward` calling this)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any) -> Any:
-        return type(self.module).forward(self.module, *args)
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:

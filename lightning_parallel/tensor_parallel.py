@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_parallel import _collectives
+from lightning_parallel.block_protocol import ClassForward
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.trunk import vocabulary_modules
 
@@ -341,20 +342,9 @@ class _LocalCompute:
 
         with sharded():  # the experts' inner widths are sharded: their dropout draws from this rank's stream
             out = torch.func.functional_call(
-                _ClassForward(self.module), params, args, kwargs, strict=False, tie_weights=False
+                ClassForward(self.module), params, args, kwargs, strict=False, tie_weights=False
             )
         return _collectives.reduce_from_group(out, group)
-
-
-class _ClassForward(nn.Module):
-    """``module``'s class forward (its instance forward is the :class:`_LocalCompute` calling this)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return type(self.module).forward(self.module, *args, **kwargs)
 
 
 def _floating(t: Any) -> bool:
