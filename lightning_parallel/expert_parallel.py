@@ -25,6 +25,8 @@ rank, and the routing weights' gradient is computed where the router ran.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,11 +81,14 @@ def combine(rows: Tensor, routing: Routing, top_k_weights: Tensor, group: Any) -
 def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's experts modules: a ``num_experts`` count, parameters stacked by expert (dim 0 of that size) and
     a forward called as ``experts(hidden, top_k_index, top_k_weights)`` (transformers 5's mixtures; GPT-OSS names
-    them ``router_indices``, ``routing_weights``)."""
+    them ``router_indices``, ``routing_weights``); those sharded already (:func:`shard_experts`) included."""
     found = []
     for name, module in model.named_modules():
         count = getattr(module, "num_experts", None)
-        if not isinstance(count, int) or isinstance(module.forward, ExpertParallelForward):
+        if not isinstance(count, int):
+            continue
+        if isinstance(module.forward, ExpertParallelForward):  # sharded already (its count is its local experts')
+            found.append((name, module))
             continue
         params = list(inspect.signature(type(module).forward).parameters)[1:4]
         if len(params) == 3 and "ind" in params[1] and "weight" in params[2] and _stacked(module, count):
@@ -105,6 +110,38 @@ def check_experts(num_experts: int, ep: int, where: str) -> None:
         )
 
 
+#: while a block is traced (:func:`tracing`): each experts module's path in the traced copy, by ``id``
+_TRACED: dict[int, str] = {}
+
+
+@contextmanager
+def tracing(block: nn.Module) -> Iterator[None]:
+    """While ``block`` (a copy) is traced, its expert-parallel calls are one op each (:func:`experts_call`):
+    their all-to-alls have sizes only the data decide, which ``torch.export`` cannot trace."""
+    _TRACED.update({id(m): name for name, m in block.named_modules()})
+    try:
+        yield
+    finally:
+        _TRACED.clear()
+
+
+@torch.library.custom_op("lightning_parallel::experts", mutates_args=())
+def experts_call(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, path: str) -> Tensor:
+    """An expert-parallel experts call (the module at ``path`` in the block) as one op of a traced graph; the
+    traced program calls the module there instead (:func:`call_experts`), so this body never runs."""
+    raise RuntimeError("lightning_parallel::experts runs only inside a traced program")
+
+
+@experts_call.register_fake
+def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, path: str) -> Tensor:
+    return hidden.new_empty(hidden.shape)
+
+
+def call_experts(block: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, path: str) -> Tensor:
+    """What a traced program runs for :func:`experts_call`: the block's experts module at ``path``."""
+    return block.get_submodule(path)(hidden, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+
+
 class ExpertParallelForward:
     """An experts module's call under expert parallelism (module docstring): its class forward runs on the local
     parts of its expert parameters (DTensors sharded by expert over the ep mesh), on the rows sent here."""
@@ -115,6 +152,8 @@ class ExpertParallelForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
         hidden, top_k_index, top_k_weights = list(bound.arguments.values())[1:4]
+        if torch.compiler.is_exporting() and id(self.module) in _TRACED:
+            return experts_call(hidden, top_k_index, top_k_weights, _TRACED[id(self.module)])
         group = self.mesh.get_group()
         routing = route(top_k_index, self.num_experts, group)
         rows = dispatch(hidden, routing, top_k_index.shape[-1], group)
@@ -140,7 +179,8 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
     names = _stacked(module, total)
     for name in names:
         whole = getattr(module, name)
-        mine = whole.detach()[rank * per_rank : (rank + 1) * per_rank].contiguous()
+        # a copy: a view would keep the whole tensor alive (and give the DTensor its offset: deepcopy fails)
+        mine = whole.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride())
         setattr(module, name, nn.Parameter(sharded, requires_grad=whole.requires_grad))
     module.num_experts = per_rank  # what the module's own code loops over: its local experts
@@ -151,10 +191,13 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
 __all__ = [
     "ExpertParallelForward",
     "Routing",
+    "call_experts",
     "check_experts",
     "combine",
     "dispatch",
+    "experts_call",
     "find_experts",
     "route",
     "shard_experts",
+    "tracing",
 ]

@@ -95,8 +95,8 @@ class TensorParallelLayout:
     partial: list[nn.Parameter] = field(default_factory=list)  # replicated, but see a sequence shard
 
     def to_full(self, name: str, value: Tensor) -> Tensor:
-        """The whole tensor in the original (unpermuted) order; a collective for a DTensor."""
-        if not isinstance(value, DTensor):
+        """The whole tensor in the original (unpermuted) order; a collective for a DTensor of this mesh."""
+        if not isinstance(value, DTensor) or value.device_mesh != self.mesh:  # (an expert sharded over ep)
             return value
         full = value.full_tensor()
         if name in self.permuted:
@@ -176,7 +176,12 @@ def shard_modules(
     styles: ``parallelize_module``'s ``ColwiseParallel`` / ``RowwiseParallel`` on ``nn.Linear`` (and the
     ``Conv1D`` subclasses), bare fused parameters distributed directly. Records permutations and the
     replicated parameters whose gradients are partial in ``layout``. The column-parallel modules enter, the
-    row-parallel ones leave this rank's dropout stream (:mod:`lightning_parallel.rng`, forward hooks)."""
+    row-parallel ones leave this rank's dropout stream (:mod:`lightning_parallel.rng`, forward hooks). Experts
+    sharded by expert parallelism stay whole over tp (each tp rank computes its ep group's rows for them)."""
+    from lightning_parallel.expert_parallel import ExpertParallelForward
+
+    expert = [n for n, m in block.named_modules() if isinstance(m.__dict__.get("forward"), ExpertParallelForward)]
+    plan = {k: v for k, v in plan.items() if not any(k == e or k.startswith(f"{e}.") for e in expert)}
     enters, leaves = [], []
     for name, style in plan.items():
         if style.partition(":")[0] not in _ALL_STYLES:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -40,6 +41,8 @@ FLOAT32_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
 def _close(a: Tensor, b: Tensor, tolerance: dict) -> bool:
+    """``a`` and ``b`` (each rank's part of a DTensor: both sides of an expert sharded over ep) agree."""
+    a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
     if tolerance is FLOAT32_TOLERANCE:
         scale = float(b.abs().max()) if b.numel() else 0.0
         return torch.allclose(a, b, rtol=tolerance["rtol"], atol=tolerance["atol"] * max(scale, 1e-30))
@@ -224,8 +227,6 @@ def single_process_gradients(module: nn.Module, tp: Any = None, sp: Any = None) 
     """The gradients of a composed copy as one process would hold them, given its tensor- and sequence-parallel
     layouts: DTensor partial sums reduced, replicated parameters that saw a shard summed over their group,
     shards gathered whole (and un-permuted)."""
-    from torch.distributed.tensor import DTensor
-
     grads: dict[str, Tensor] = {}
     partial_tp = {id(p) for p in (tp.partial if tp else [])}
     partial_sp = {id(p) for p in (sp.partial if sp else [])}

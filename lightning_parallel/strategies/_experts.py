@@ -13,6 +13,7 @@ over the ep group).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,8 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.errors import ConfigurationError
-from lightning_parallel.expert_parallel import find_experts, shard_experts
+from lightning_parallel.expert_parallel import ExpertParallelForward, find_experts, shard_experts
 from lightning_parallel.mesh import DP, ParallelDims
+from lightning_parallel.strategies._optimizers import Replaced
 
 #: the ep axis's name: it is a part of dp (the set-up broadcast along dp leaves its shards alone)
 EP = "dp_ep"
@@ -58,15 +60,13 @@ class ExpertParallel:
                 f"expert_parallel_size={self.size} must divide data_parallel_size={dims.dp}: expert parallelism"
                 f" reuses the data-parallel ranks; give data_parallel_size a multiple of {self.size}"
             )
-        others = {"pipeline_parallel_size": dims.pp, "tensor_parallel_size": dims.tp, "sequence_parallel_size": dims.sp}
-        composed = [f"{name}={size}" for name, size in others.items() if size > 1]
+        composed = [f"sequence_parallel_size={dims.sp}"] if dims.sp > 1 else []
         if sharding != "none":
             composed.append(f"data_parallel_sharding={sharding!r}")
         if composed:
             raise ConfigurationError(
                 f"strategy={strategy!r} with expert_parallel_size={self.size} and {', '.join(composed)} is not"
-                " supported yet: expert parallelism runs over plain data parallelism for now; drop those arguments"
-                " or expert_parallel_size"
+                " supported yet: drop those arguments or expert_parallel_size"
             )
 
     def connect(self, mesh: DeviceMesh, dims: ParallelDims) -> None:
@@ -75,23 +75,34 @@ class ExpertParallel:
         if self.size > 1:
             self.mesh = mesh._unflatten(DP, (dims.dp // self.size, self.size), ("dp_replicate", EP))
 
-    def shard(self, module: nn.Module) -> None:
-        """Shard the model's experts over the ep axis (after the set-up broadcast, before the optimizers)."""
+    def shard(self, module: nn.Module, replace: Callable[[Replaced], None]) -> bool:
+        """Shard the experts this rank holds over the ep axis, those not sharded yet: at set-up, after the
+        broadcast, and as a deferred block materialises (``replace`` gives the optimizers the new parameters).
+        Experts still on meta (another stage's, or a block not materialised yet) stay as they are. Returns
+        whether any was sharded now."""
         if self.mesh is None:
             self.layout = None
-            return
+            return False
         found = find_experts(module)
-        sharded = {id(p) for p in self.layout.params} if self.layout is not None else set()
-        if not found and not sharded:  # the same model on every rank: every rank raises alike
+        if not found:  # the model, not this stage's part of it: the same on every rank
             raise ConfigurationError(
                 f"expert_parallel_size={self.size} found no experts in {type(module).__name__}: it shards modules"
                 " with a num_experts count and parameters stacked by expert, called as experts(hidden, top_k_index,"
                 " top_k_weights), as transformers 5's mixtures; drop expert_parallel_size"
             )
-        for _, experts in found:
-            shard_experts(experts, self.mesh[EP])
+        replaced: Replaced = []
+        for name, experts in found:
+            if not isinstance(experts.forward, ExpertParallelForward) and not any(
+                p.is_meta for p in experts.parameters(recurse=False)
+            ):
+                before = dict(experts.named_parameters(recurse=False))
+                for n in shard_experts(experts, self.mesh[EP]):
+                    replaced.append((before[n], getattr(experts, n), f"{name}.{n}"))
+        if replaced:
+            replace(replaced)
         params = [
             p for p in module.parameters() if isinstance(p, DTensor) and EP in (p.device_mesh.mesh_dim_names or ())
         ]
         replicas = self.mesh["dp_replicate"].get_group()
         self.layout = ExpertLayout(params, self.mesh[EP].get_group(), replicas, self.size)
+        return bool(replaced)

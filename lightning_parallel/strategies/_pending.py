@@ -54,6 +54,7 @@ class Holder:
     replace: Callable[[list[tuple[nn.Parameter, nn.Parameter, str]]], None]  # the optimizers take new parameters
     first_call: Callable[[nn.Module], None]  # the strategy's hook to :meth:`DeferredInit.first_call`
     lends: Callable[[], bool]  # whether a block called now is lent for the call only (helix evaluating early)
+    materialised: Callable[[], None]  # after a block materialised (expert parallelism shards its experts)
 
 
 class DeferredInit:
@@ -187,6 +188,7 @@ class DeferredInit:
                 at.replace(new)
                 self._fresh_state([(old, p) for old, p, _ in new])
                 self._restore_optimizer_state(block, name)
+                at.materialised()
             if check and (message := check_set(record)) is not None:
                 raise ConfigurationError(message)
             if not check:

@@ -83,7 +83,8 @@ class SetupRecipeMixin(ParallelStrategy):
             # (a block with a runner materialises when the block layer commits it; the others at their first call)
             blocks = pending_blocks(lm, self._deferred_blocks(config, trunk, local), self.keeps_on_host())
             holder = Holder(lm, self.root_device, lambda: self._mesh, self._block_whole_over, lambda: self.optimizers,
-                            self._replace_parameters, self._materialize_at_first_call, self._lends_pending)  # fmt: skip
+                            self._replace_parameters, self._materialize_at_first_call, self._lends_pending,
+                            self._shard_experts)  # fmt: skip
             self._deferred.hold(blocks, holder, runners=[b for _, b in local])
         self.model_to_device()  # only what this rank holds: the other stages' blocks are freed already
         if first:

@@ -243,7 +243,7 @@ class HybridParallelStrategy(
         self._sync_module_states(self.model)
         self._fully_shard_built(lm)  # after the broadcast above: it would overwrite the shards
         self._shard_outer(lm)  # likewise (the pipeline strategies' parameters outside the trunk)
-        self._experts.shard(lm)  # likewise (each rank keeps its experts)
+        self._shard_experts()  # likewise (each rank keeps its experts)
         if self._heads.on:
             self._heads.find(lm, self._blocks.trunk.blocks if self._blocks else _blocks_of(lm, self._trunk_path))
         for metric in MetricStepper(lm, False).metrics.values():
@@ -268,12 +268,20 @@ class HybridParallelStrategy(
         self.setup_precision_plugin()
         if trainer.state.fn == "fit":
             self.states_to_device()  # Lightning's _optimizers_to_device, not for the blocks kept on the host
-        plan = self._gradient_plan = self._plan_gradients()
+        self._gradient_plan = self._plan_gradients()
         # Lightning's clipping asks the precision plugin, which would see this rank's part of the model only
         self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
-            lambda opt, clip_val: gradients.clip_norm_(opt, clip_val, plan, self._dp.shards)
+            lambda opt, clip_val: gradients.clip_norm_(opt, clip_val, self._gradient_plan, self._dp.shards)
         )
         self.precision_plugin.clip_grad_by_value = gradients.clip_value_  # type: ignore[method-assign]
+
+    def _shard_experts(self) -> None:
+        """Expert parallelism's experts of what this rank holds, sharded (at set-up, after the broadcast; then as
+        each deferred block materialises: the optimizers take the new parameters)."""
+        lm = self.lightning_module
+        assert lm is not None
+        if self._experts.shard(lm, self._replace_parameters) and self._gradient_plan is not None:
+            self._gradient_plan = self._plan_gradients()
 
     def _plan_gradients(self) -> gradients.GradientPlan:
         """What :mod:`lightning_parallel.strategies.gradients` reduces over on this rank."""

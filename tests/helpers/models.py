@@ -216,6 +216,12 @@ class HFCausalLM(L.LightningModule):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             )  # fmt: skip
             return transformers.LlamaForCausalLM(config)
+        if self.family == "mixtral":  # the zoo's mixture, its experts run by batched_mm (float64 on CPU)
+            from tests.helpers.zoo import hf_config
+
+            config = hf_config("mixtral", self.vocab_size, self.num_layers)
+            config._experts_implementation = "batched_mm"
+            return transformers.AutoModelForCausalLM.from_config(config)
         config = transformers.GPT2Config(
             vocab_size=self.vocab_size, n_embd=32, n_layer=self.num_layers, n_head=4, n_positions=64,
             attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,

@@ -98,7 +98,9 @@ def build(
     torch.manual_seed(seed)
     from tests.helpers import zoo
 
-    if model.partition("@")[0] in zoo.MODELS:  # "hf:mixtral@batched_mm": its experts run by batched_mm
+    if (
+        model.partition("#")[0].partition("@")[0] in zoo.MODELS
+    ):  # "hf:mixtral@batched_mm#4": batched_mm experts, 4 layers
         return zoo.build(model, batch_size, optimizer, 0.05 if optimizer == "sgd" else 1e-3, SEQ_LEN)
     if model.startswith("packed:"):  # packed rows of documents (tests/helpers/packed.py)
         from tests.helpers import packed
@@ -124,7 +126,7 @@ def build(
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)
         return HFCausalLM(model[3:], vocab_size=data.vocab_size, lr=kwargs["lr"], optimizer=optimizer), data
-    if model in ("hf-llama-deferred", "hf-gpt2-deferred"):
+    if model in ("hf-llama-deferred", "hf-gpt2-deferred", "hf-mixtral-deferred"):
         from tests.helpers.models import DeferredHFCausalLM
 
         data = CharDataModule(block_size=SEQ_LEN, batch_size=batch_size, shuffle=False)

@@ -402,8 +402,9 @@ def build(
         return HFMaskedLM(vocab, lr=lr, optimizer=optimizer), data
     if row == "hf:t5_encoder":
         return HFT5Encoder(vocab, lr=lr, optimizer=optimizer), data
-    if row.startswith("hf:"):
-        return HFCausalLM(row[3:], vocab, lr=lr, optimizer=optimizer), data
+    if row.startswith("hf:"):  # "hf:mixtral@batched_mm#4": four layers (two by default)
+        family, _, layers = row[3:].partition("#")
+        return HFCausalLM(family, vocab, int(layers or 2), lr=lr, optimizer=optimizer), data
     if row == "litgpt":
         return LitGPT(vocab, lr=lr, optimizer=optimizer), data
     if row == "lightning:demo":

@@ -28,6 +28,16 @@ LAYOUTS = {
     "dp2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
     "dp2zero": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"), 2, 2),
     "dp2ep2": (lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2), 2, 2),
+    "pp2dp2ep2": (
+        lambda: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2),
+        4,
+        2,
+    ),
+    "tp2dp2ep2": (
+        lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2),
+        4,
+        2,
+    ),
     "dp2tp2zero": (
         lambda: HybridParallelStrategy(
             data_parallel_size=2, tensor_parallel_size=2, data_parallel_sharding="optimizer"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel import HybridParallelStrategy
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
 from lightning_parallel.errors import ConfigurationError
 from tests.helpers.parity import assert_parity
 
@@ -22,9 +22,12 @@ def _ep2(dp: int = 2) -> object:
 
 
 class _HoldsItsExperts(L.Callback):
-    """Each rank holds num_experts / ep of every experts module, as DTensors sharded by expert."""
+    """Each rank holds num_experts / ep of every experts module it runs, as DTensors sharded by expert (checked
+    after the first step: HelixPipe shards them once that step has split the blocks)."""
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx:
+            return
         sharded = [p for n, p in pl_module.named_parameters() if ".experts." in n and isinstance(p, DTensor)]
         assert sharded, "no expert was sharded"
         for p in sharded:
@@ -54,10 +57,79 @@ def test_ep_must_divide_the_data_parallel_ranks():
         L.Trainer(accelerator="cpu", devices=3, strategy=HybridParallelStrategy(expert_parallel_size=2))
 
 
-def test_ep_with_tensor_parallelism_is_refused_for_now():
-    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2)
-    with pytest.raises(ConfigurationError, match=r"expert_parallel_size=2 and tensor_parallel_size=2 is not supported"):
-        L.Trainer(accelerator="cpu", devices=4, strategy=strategy)
+# ------------------------------------------------------------------------------ composed with the other axes
+# (4 ranks each: the slow tier)
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
+def test_ep2_under_a_pipeline_trains_as_one_process(schedule):
+    """pp=2 x dp=2, ep=2 over each stage's two dp ranks (four layers: the interleaved and V schedules' virtual
+    stages): every dp rank of a stage runs the same schedule, so their all-to-alls pair up in every action,
+    the zero-bubble schedules' split backward included."""
+    strategy = lambda: PipelineParallelStrategy(  # noqa: E731
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, schedule=schedule
+    )
+    assert_parity("hf:mixtral@batched_mm#4", strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ["hf:mixtral@batched_mm", "hf:qwen3_moe@batched_mm", "hf:gpt_oss@eager"])
+def test_ep2_under_helix_trains_as_one_process(row):
+    """HelixPipe p=2 x dp=2, ep=2: its attention-parallel schedule with the experts of the post-attention parts
+    sharded over each stage's dp ranks (the MLP chunked over the sequence: an all-to-all pair per chunk).
+    Mixtral's block is cut by the hand-written llama adapter, Qwen3-MoE's and GPT-OSS's by tracing it."""
+    strategy = lambda: HelixParallelStrategy(  # noqa: E731
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2
+    )
+    assert_parity(row, strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("row", "dtype"),
+    [("hf:mixtral@batched_mm", "float64"), ("hf:qwen3_moe@batched_mm", "float64"), ("hf:deepseek_v3", "float32")],
+)
+def test_ep2_with_tensor_parallel_attention_trains_as_one_process(row, dtype):
+    """tp=2 x dp=2, ep=2: attention (and DeepSeek-V3's latent attention, its shared expert) sharded by tp, the
+    routed experts by ep over the dp ranks of each tp rank, whole over tp (the anatomy's experts plan is left
+    out)."""
+    strategy = lambda: HybridParallelStrategy(  # noqa: E731
+        tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2
+    )
+    assert_parity(row, strategy, 4, data_parallel_size=2, dtype=dtype, callbacks=lambda: [_HoldsItsExperts()])
+
+
+@pytest.mark.slow
+def test_experts_of_a_model_built_in_configure_model_are_sharded_as_their_blocks_materialise():
+    """Mixtral built in ``configure_model`` (on meta) under tp=2 x dp=2, ep=2: each block waits for its first
+    call to materialise (tensor parallelism shards it then), and its experts are sharded by ep as it does, before
+    tensor parallelism's plan sees them; training matches one process."""
+    strategy = lambda: HybridParallelStrategy(  # noqa: E731
+        tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2
+    )
+    assert_parity("hf-mixtral-deferred", strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(data_parallel_size=2, sequence_parallel_size=2), r"and sequence_parallel_size=2 is not supported yet"),
+     (dict(data_parallel_size=2, data_parallel_sharding="optimizer"),
+      r"and data_parallel_sharding='optimizer' is not supported yet")],
+)  # fmt: skip
+def test_what_ep_does_not_compose_with_yet_is_refused(kwargs, message):
+    strategy = HybridParallelStrategy(expert_parallel_size=2, **kwargs)
+    with pytest.raises(ConfigurationError, match=message):
+        L.Trainer(accelerator="cpu", devices=4 if "sequence_parallel_size" in kwargs else 2, strategy=strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ["hf:mixtral@batched_mm", "hf:qwen3_moe@batched_mm"])
+def test_ep2_under_helix_with_tensor_parallelism_trains_as_one_process(row):
+    """HelixPipe p=2 x tp=2 x dp=2, ep=2 on 8 ranks: the block cut by tracing it, the expert-parallel call one op
+    of the trace (its all-to-all sizes are the data's), run by the module at its place in the split's parts."""
+    strategy = lambda: HelixParallelStrategy(  # noqa: E731
+        pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2
+    )
+    assert_parity(row, strategy, 8, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
 
 
 def test_a_model_without_experts_is_refused_on_every_rank():
@@ -94,14 +166,31 @@ def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path):
         _assert_close(optimizer, reference["optimizer_states"][0]["state"], f"{target}: AdamW state")
 
 
-def test_resume_at_ep2_continues_the_straight_run_exactly(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2"])
+def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout):
+    """Saved under pipeline or tensor parallelism with ep=2, the checkpoint equals dp=2's (each expert once,
+    whole, with its AdamW state)."""
+    from lightning_parallel.checkpoint import load_sharded
+    from tests.strategies.test_checkpoints import _assert_close, _run
+
+    got, want = str(tmp_path / "ep.ckpt"), str(tmp_path / "dp2.ckpt")
+    _run(layout, 2, ckpt_out=got, model=MOE)
+    _run("dp2", 2, ckpt_out=want, model=MOE)
+    saved, reference = load_sharded(got), load_sharded(want)
+    _assert_close(saved["state_dict"], reference["state_dict"], f"{layout} checkpoint vs dp=2")
+    _assert_close(saved["optimizer_states"][0]["state"], reference["optimizer_states"][0]["state"], "AdamW state")
+
+
+@pytest.mark.parametrize("layout", ["dp2ep2", pytest.param("pp2dp2ep2", marks=pytest.mark.slow)])
+def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout):
     from tests.strategies.test_checkpoints import _assert_close, _run
 
     kw = dict(model=MOE, epoch_end=True)
-    straight, final, _, _ = _run("dp2ep2", 8, ckpt_out=str(tmp_path / "straight.ckpt"), **kw)
+    straight, final, _, _ = _run(layout, 8, ckpt_out=str(tmp_path / "straight.ckpt"), **kw)
     ckpt = str(tmp_path / "epoch.ckpt")
-    first, _, _, _ = _run("dp2ep2", 4, ckpt_out=ckpt, **kw)
-    second, resumed, _, _ = _run("dp2ep2", 8, ckpt_in=ckpt, ckpt_out=str(tmp_path / "resumed.ckpt"), **kw)
+    first, _, _, _ = _run(layout, 4, ckpt_out=ckpt, **kw)
+    second, resumed, _, _ = _run(layout, 8, ckpt_in=ckpt, ckpt_out=str(tmp_path / "resumed.ckpt"), **kw)
     torch.testing.assert_close(torch.tensor(first + second), torch.tensor(straight), rtol=1e-9, atol=1e-12)
     _assert_close(resumed, final, "parameters after step 8")
 

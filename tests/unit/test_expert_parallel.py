@@ -58,7 +58,9 @@ def _rank(rank: int, world: int, family: str, experts: str) -> None:
     total = experts.num_experts
     assert find_experts(block) == [("experts", experts)]
     names = shard_experts(experts, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_ep",)))
-    assert names and experts.num_experts == total // world and not find_experts(block)
+    assert (
+        names and experts.num_experts == total // world and find_experts(block) == [("experts", experts)]
+    )  # (sharded: still found)
     out, grad = _run(block, _tokens(rank))
     torch.testing.assert_close(out, expected[rank][0], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grad, expected[rank][1], rtol=1e-9, atol=1e-12)

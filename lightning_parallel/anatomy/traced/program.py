@@ -32,6 +32,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_parallel.anatomy.traced.manual import recognise
 from lightning_parallel.errors import Unsupported
+from lightning_parallel.expert_parallel import call_experts, tracing
 
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> {name: (owning module, attribute)}
 
@@ -208,7 +209,7 @@ def trace(
     dims = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
     context = attention_route(copy) if attention_route is not None else nullcontext()
     try:
-        with _quiet(), context, torch.autocast("cpu", enabled=False):
+        with _quiet(), context, torch.autocast("cpu", enabled=False), tracing(copy):
             ep = torch.export.export(_Flat(copy, spec, leaves), tensors, dynamic_shapes={"tensors": dims}, strict=False)
     except Unsupported:
         raise
@@ -278,6 +279,9 @@ def _program(ep: torch.export.ExportedProgram, spec: TreeSpec, leaves: list[Any]
             graph.output(fx.node.map_arg(node.args[0], lambda n: env[n]))
         elif node.target is torch.ops.aten._assert_tensor_metadata.default:
             continue  # the trace's own check of a cast's dtype (float64 here), not part of the block
+        elif node.target is torch.ops.lightning_parallel.experts.default:  # expert parallelism's call: the module's
+            env[node] = graph.call_function(call_experts, (block, *fx.node.map_arg(node.args, lambda n: env[n])))
+            env[node].meta = dict(node.meta)
         elif node.target is torch.ops.aten.copy.default:  # a functional write's value (it has no derivative)
             env[node] = graph.call_function(_copied, tuple(env[a] for a in node.args[:2]))
             env[node].meta = dict(node.meta)

@@ -97,7 +97,9 @@ def _module_region(program: Program, path: str) -> tuple[set[fx.Node], fx.Node, 
 
     nodes = [n for n in program.graph.nodes if n.op == "call_function" and not _is_lookup(n) and inside(n)]
     region = set(nodes)
+    # (the block itself is an input of the nodes that call one of its modules: expert parallelism's experts)
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in region and not _is_lookup(a)}
+    inputs = {a for a in inputs if not (a.op == "placeholder" and a.name == "block")}
     sizes = {a for a in inputs if a.target == torch.ops.aten.sym_size.int}
     inputs -= sizes
     outputs = [n for n in nodes if any(u not in region for u in n.users)]
