@@ -20,6 +20,14 @@ chosen each token's experts, once, on the token's rank. With ``E`` experts over 
 The backward of each all-to-all is the reverse one (:func:`lightning_parallel._collectives.all_to_all_rows`): an
 expert's weight gradient on its rank sums every peer's tokens routed to it, each token's gradient returns to its
 rank, and the routing weights' gradient is computed where the router ran.
+
+A home-written mixture (an ``nn.ModuleList`` of ``E`` alike experts and a router ``nn.Linear(_, E)`` beside it,
+its own loop calling ``experts[e](rows)``) is cut at its experts' calls (:class:`ListExperts`): its forward runs
+twice, first recording each call's rows (the calls answered with zeros; the random state restored after), then
+one dispatch of every call's rows as above, each received row computed by its expert on its rank, one combine;
+the second run gets each call's rows computed. One all-to-all pair per mixture call, whatever the order of the
+calls and the experts the loop skips, so the backward's reverse pair is one chain, the same on every rank. The
+other ranks' experts are on meta (each rank holds and saves ``E/ep`` of them, as a pipeline stage its blocks).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -36,8 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_parallel import _collectives
-from lightning_parallel.block_protocol import ClassForward
-from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.block_protocol import ClassForward, Shared
+from lightning_parallel.errors import ConfigurationError, Unsupported
 
 
 @dataclass(frozen=True)
@@ -70,10 +78,15 @@ def dispatch(hidden: Tensor, routing: Routing, k: int, group: Any) -> Tensor:
     return _collectives.all_to_all_rows(hidden[routing.order // k], routing.send, routing.recv, group)
 
 
+def combine_rows(rows: Tensor, routing: Routing, group: Any) -> Tensor:
+    """The rows computed on their experts' ranks back on this rank, in (token, choice) pair order."""
+    back = _collectives.all_to_all_rows(rows, routing.recv, routing.send, group)
+    return back[torch.argsort(routing.order)]
+
+
 def combine(rows: Tensor, routing: Routing, top_k_weights: Tensor, group: Any) -> Tensor:
     """Each token's output from its experts' ``rows`` (computed on their ranks): ``Σ_j weight_j · y_j``."""
-    back = _collectives.all_to_all_rows(rows, routing.recv, routing.send, group)
-    pairs = back[torch.argsort(routing.order)]  # the pairs in (token, choice) order
+    pairs = combine_rows(rows, routing, group)
     n, k = top_k_weights.shape
     return (pairs.view(n, k, -1) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
 
@@ -168,6 +181,143 @@ class ExpertParallelForward:
         return ExpertParallelForward(memo.get(id(self.module), self.module), self.num_experts, self.mesh)
 
 
+# ------------------------------------------------------------------------------ a home-written mixture
+def find_expert_lists(model: nn.Module) -> list[tuple[str, nn.Module, nn.ModuleList]]:
+    """The model's home-written mixtures: a module with an ``nn.ModuleList`` child of ``E >= 2`` experts of one
+    class and one parameter layout, and a router ``nn.Linear`` with ``E`` outputs among its other children;
+    those cut already (:func:`shard_expert_list`) included."""
+    found = []
+    for name, module in model.named_modules():
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and len(child) >= 2 and _alike(child):
+                routers = [c for c in module.children() if isinstance(c, nn.Linear) and c.out_features == len(child)]
+                if routers:
+                    found.append((name, module, child))
+    return found
+
+
+def _alike(experts: nn.ModuleList) -> bool:
+    layouts = {(type(e), tuple((n, tuple(p.shape)) for n, p in e.named_parameters())) for e in experts}
+    return len(layouts) == 1 and bool(next(iter(layouts))[1])
+
+
+class _ExpertCall(Shared):
+    """An expert of a cut mixture: its call is answered by the mixture's :class:`ListExperts`."""
+
+    def __init__(self, mixture: ListExperts, index: int) -> None:
+        self.mixture, self.index = mixture, index
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        return self.mixture.answer(self.index, rows)
+
+
+class ListExperts:
+    """A home-written mixture's forward under expert parallelism (module docstring): its own forward, run to
+    record its experts' calls, then again with each call's rows computed on their expert's rank."""
+
+    def __init__(self, module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh) -> None:
+        self.module, self.experts, self.mesh = module, experts, mesh
+        self.calls: list[tuple[int, Tensor]] = []
+        self.answers: Optional[list[Tensor]] = None  # the second run's (None: the first's)
+        self.recording = False
+        for i, expert in enumerate(experts):
+            expert.forward = _ExpertCall(self, i)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_exporting():
+            raise Unsupported(
+                f"{type(self.module).__name__} (a home-written mixture under expert parallelism) runs its forward"
+                " twice around one all-to-all, which torch.export cannot trace"
+            )
+        own = type(self.module).forward
+        device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
+        self.calls, self.answers, self.recording = [], None, True
+        try:  # its random draws (a router's noise) are the second run's
+            with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+                own(self.module, *args, **kwargs)
+        finally:
+            self.recording = False
+        answers = self._exchange()
+        self.answers, calls = answers, len(answers)
+        try:
+            out = own(self.module, *args, **kwargs)
+            left = len(self.answers)
+        finally:
+            self.calls, self.answers = [], None
+        if left:
+            raise ConfigurationError(
+                f"{type(self.module).__name__} called its experts {calls - left} times in its second run and {calls}"
+                " in its first: expert parallelism needs a mixture whose forward calls its experts alike each time"
+            )
+        return out
+
+    def answer(self, index: int, rows: Tensor) -> Tensor:
+        """An expert's call: recorded (answered with zeros) in the first run, its computed rows in the second."""
+        if self.recording:
+            self.calls.append((index, rows))
+            return rows.new_zeros(rows.shape[:-1] + self._out_tail(rows))
+        if self.answers is None:
+            raise RuntimeError(
+                f"expert {index} of {type(self.module).__name__} was called outside its mixture's forward: under"
+                " expert parallelism its rank may not hold it"
+            )
+        if not self.answers or self.calls[0][0] != index or self.calls[0][1].shape != rows.shape:
+            raise ConfigurationError(
+                f"{type(self.module).__name__} called expert {index} on {tuple(rows.shape)} rows in its second run,"
+                " not as in its first: expert parallelism needs a mixture whose forward calls its experts alike"
+                " each time"
+            )
+        self.calls.pop(0)
+        return self.answers.pop(0)
+
+    def _out_tail(self, rows: Tensor) -> tuple[int, ...]:
+        """The trailing shape of an expert's output (a local expert on no rows)."""
+        mine = next(e for e in self.experts if not any(p.is_meta for p in e.parameters()))
+        with torch.no_grad():
+            return tuple(type(mine).forward(mine, rows[:0]).shape[1:])
+
+    def _exchange(self) -> list[Tensor]:
+        """Every recorded call's rows to its expert's rank, computed there, and back (one all-to-all pair)."""
+        group, total = self.mesh.get_group(), len(self.experts)
+        if not self.calls:  # (every token chooses an expert: only an empty batch calls none)
+            raise ConfigurationError(f"{type(self.module).__name__} called none of its experts")
+        index = torch.cat([torch.full((len(r),), e, dtype=torch.long, device=r.device) for e, r in self.calls])
+        hidden = torch.cat([r.reshape(len(r), -1) for _, r in self.calls])
+        routing = route(index.unsqueeze(1), total, group)
+        rows = dispatch(hidden, routing, 1, group)
+        per_rank, first = total // self.mesh.size(), self.mesh.get_local_rank() * (total // self.mesh.size())
+        shape = self.calls[0][1].shape[1:]
+        order = torch.argsort(routing.local, stable=True)
+        sizes = torch.bincount(routing.local, minlength=per_rank).tolist()
+        outs = [
+            type(self.experts[first + j]).forward(self.experts[first + j], chunk.view(-1, *shape))
+            for j, chunk in enumerate(rows[order].split(sizes))
+            if sizes[j]  # an expert no row reached is not called (its gradient stays None, as on one device)
+        ]
+        computed = torch.cat([o.reshape(len(o), -1) for o in outs]) if outs else rows[:0]
+        back = combine_rows(computed[torch.argsort(order)], routing, group)
+        return [a.view(len(r), *self._out_tail(r)) for a, (_, r) in zip(back.split([len(r) for _, r in self.calls]),
+                                                                              self.calls)]  # fmt: skip
+
+    def __deepcopy__(self, memo: dict) -> ListExperts:
+        """A copy of the mixture (a block's verification copy) answers its own copy's experts."""
+        return ListExperts(memo.get(id(self.module), self.module), memo.get(id(self.experts), self.experts), self.mesh)
+
+
+def shard_expert_list(module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Keep this rank's ``E/ep`` experts of the home-written mixture ``module`` (the others to meta) and make its
+    call dispatch and combine over the 1-D ``mesh`` (:class:`ListExperts`); in place. Returns the parameters of
+    the experts kept."""
+    ep, rank = mesh.size(), mesh.get_local_rank()
+    check_experts(len(experts), ep, type(module).__name__)
+    per_rank = len(experts) // ep
+    for i, expert in enumerate(experts):
+        if not rank * per_rank <= i < (rank + 1) * per_rank:
+            expert.to(torch.device("meta"))
+    module.forward = ListExperts(module, experts, mesh)
+    return [p for expert in experts[rank * per_rank : (rank + 1) * per_rank] for p in expert.parameters()]
+
+
 def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
     """Keep this rank's experts of ``module`` (see :func:`find_experts`) as DTensors sharded by expert over the 1-D
     ``mesh`` (no communication: every rank holds the same whole values), and make its call dispatch and combine
@@ -190,14 +340,18 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
 
 __all__ = [
     "ExpertParallelForward",
+    "ListExperts",
     "Routing",
     "call_experts",
     "check_experts",
     "combine",
+    "combine_rows",
     "dispatch",
     "experts_call",
+    "find_expert_lists",
     "find_experts",
     "route",
+    "shard_expert_list",
     "shard_experts",
     "tracing",
 ]

@@ -13,7 +13,7 @@ over the ep group).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,7 +22,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.errors import ConfigurationError
-from lightning_parallel.expert_parallel import ExpertParallelForward, find_experts, shard_experts
+from lightning_parallel.expert_parallel import (
+    ExpertParallelForward,
+    ListExperts,
+    find_expert_lists,
+    find_experts,
+    shard_expert_list,
+    shard_experts,
+)
 from lightning_parallel.mesh import DP, ParallelDims
 from lightning_parallel.strategies._optimizers import Replaced
 
@@ -50,6 +57,7 @@ class ExpertParallel:
         self.size = size
         self.mesh: Optional[DeviceMesh] = None  # the 2-D (dp_replicate, dp_ep) mesh, made with the strategy's
         self.layout: Optional[ExpertLayout] = None
+        self.holds_parts = False  # each rank keeps only its experts of a home-written mixture (the rest on meta)
 
     def check(self, dims: ParallelDims, sharding: str, strategy: str) -> None:
         """Refuse a layout the axis cannot take, before any process starts."""
@@ -81,28 +89,39 @@ class ExpertParallel:
         Experts still on meta (another stage's, or a block not materialised yet) stay as they are. Returns
         whether any was sharded now."""
         if self.mesh is None:
-            self.layout = None
+            self.layout, self.holds_parts = None, False
             return False
-        found = find_experts(module)
-        if not found:  # the model, not this stage's part of it: the same on every rank
+        found, lists = find_experts(module), find_expert_lists(module)
+        if not found and not lists:  # the model, not this stage's part of it: the same on every rank
             raise ConfigurationError(
                 f"expert_parallel_size={self.size} found no experts in {type(module).__name__}: it shards modules"
                 " with a num_experts count and parameters stacked by expert, called as experts(hidden, top_k_index,"
-                " top_k_weights), as transformers 5's mixtures; drop expert_parallel_size"
+                " top_k_weights), as transformers 5's mixtures, and home-written mixtures (an nn.ModuleList of"
+                " alike experts beside a router nn.Linear with one output per expert); drop expert_parallel_size"
             )
         replaced: Replaced = []
         for name, experts in found:
-            if not isinstance(experts.forward, ExpertParallelForward) and not any(
-                p.is_meta for p in experts.parameters(recurse=False)
-            ):
+            if not isinstance(experts.forward, ExpertParallelForward) and not _on_meta(experts.parameters(False)):
                 before = dict(experts.named_parameters(recurse=False))
                 for n in shard_experts(experts, self.mesh[EP]):
                     replaced.append((before[n], getattr(experts, n), f"{name}.{n}"))
+        cut = False
+        for _, mixture, experts in lists:
+            if not isinstance(mixture.__dict__.get("forward"), ListExperts) and not _on_meta(experts.parameters()):
+                shard_expert_list(mixture, experts, self.mesh[EP])  # (the other ranks' experts go to meta)
+                cut = True
         if replaced:
             replace(replaced)
         params = [
             p for p in module.parameters() if isinstance(p, DTensor) and EP in (p.device_mesh.mesh_dim_names or ())
         ]
+        params += [p for _, _, experts in lists for p in experts.parameters() if not p.is_meta]
+        self.holds_parts = any(isinstance(m.__dict__.get("forward"), ListExperts) for _, m, _ in lists)
         replicas = self.mesh["dp_replicate"].get_group()
         self.layout = ExpertLayout(params, self.mesh[EP].get_group(), replicas, self.size)
-        return bool(replaced)
+        return bool(replaced) or cut
+
+
+def _on_meta(params: Iterator[nn.Parameter]) -> bool:
+    """Whether these experts are another stage's, or their block's still to materialise."""
+    return any(p.is_meta for p in params)

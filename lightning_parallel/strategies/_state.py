@@ -225,9 +225,11 @@ class StateMixin(ParallelStrategy):
         lm, layout = self.lightning_module, self._tp_layout
         with partial_allowed():
             state = lm.state_dict()
-        # one copy of each tensor is sent: from the ranks at dp, sp and tp coordinate 0 (every stage has one)
+        # one copy of each tensor is sent: from the ranks at dp, sp and tp coordinate 0 (every stage has one);
+        # where each rank of an ep group holds its own experts, from every rank of the first group
         coordinate = getattr(self, "coordinate", {})
-        sends = all(coordinate.get(axis, 0) == 0 for axis in ("dp", "sp", "tp"))
+        sends = all(coordinate.get(axis, 0) == 0 for axis in ("sp", "tp"))
+        sends &= coordinate.get("dp", 0) < (self._experts.size if self._experts.holds_parts else 1)
         local = {}
         for name, value in state.items():
             if torch.is_tensor(value) and value.is_meta:
@@ -244,5 +246,15 @@ class StateMixin(ParallelStrategy):
         return {name: merged[name] for name in state if name in merged}
 
     def gather_named_parameters(self) -> dict[str, Tensor]:
-        """Every parameter of the full model under its original name, as a detached copy."""
-        return self._full_local_parameters()
+        """Every parameter of the full model under its original name, as a detached copy, on every rank (a
+        collective over the groups whose ranks hold different parts: each its own experts, its stage)."""
+        lm = self.lightning_module
+        merged = self._full_local_parameters()
+        for group in self._part_groups():
+            merged = {k: v for part in _collectives.all_gather_object(merged, group) for k, v in part.items()}
+        return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters() if n in merged}
+
+    def _part_groups(self) -> list[Any]:
+        """The groups whose ranks hold different parts of the model: the ep group where each rank keeps only
+        its experts of a home-written mixture (the pipeline strategies add their stages')."""
+        return [self._experts.layout.group] if self._experts.holds_parts and self._experts.layout else []

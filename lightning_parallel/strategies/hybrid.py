@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives, _p2p, watchdog
+from lightning_parallel import partial as _partial
 from lightning_parallel.blocks import BlockConfig, BlockLayer
 from lightning_parallel.mesh import AXES, DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
@@ -501,6 +502,10 @@ class HybridParallelStrategy(
         watchdog.disarm()
         lm = self.lightning_module
         if lm is not None:
+            state = lm._trainer.state if lm._trainer is not None else None
+            fit_done = state is not None and state.fn == "fit" and state.status == "running"
+            if fit_done and any(t.is_meta for t in [*lm.parameters(), *lm.buffers()]):
+                _partial.guard(lm, self._partial_message(lm))
             lm.cpu = lambda: materialised_to(lm, torch.device("cpu"))  # type: ignore[method-assign]
         self._mesh, self._lanes = None, None
         try:
@@ -508,6 +513,15 @@ class HybridParallelStrategy(
         finally:
             if lm is not None:
                 del lm.cpu
+
+    def _partial_message(self, lm: LightningModule) -> str:
+        """Why the module's ``state_dict()`` would be partial after a fit (:mod:`lightning_parallel.partial`)."""
+        return (
+            f"{type(lm).__name__} holds only its expert-parallel rank's experts on rank {self.global_rank} after"
+            f" {self.strategy_name} training (the others are on the meta device), so its state_dict() would be"
+            " partial. For the whole model call trainer.strategy.full_state_dict() on every rank (rank 0 receives"
+            " it), or save a checkpoint (trainer.save_checkpoint(path))"
+        )
 
     # ---------------------------------------------------------------- loop starts
     @override

@@ -37,7 +37,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel import partial as _partial
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.mesh import DP, PP, Size, check_size
 from lightning_parallel.pipeline import outer
@@ -488,25 +487,17 @@ class PipelineParallelStrategy(HybridParallelStrategy):
 
     # ------------------------------------------------------------------------ state & failure
     @override
-    def gather_named_parameters(self) -> dict[str, Tensor]:
-        """The full model's parameters by original name, on every rank (a collective over the pp group)."""
-        lm = self.lightning_module
-        parts = _collectives.all_gather_object(self._full_local_parameters(), self.pp_group)
-        merged = {k: v for part in parts for k, v in part.items()}
-        return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters()}
+    def _part_groups(self) -> list[Any]:
+        return [*super()._part_groups(), self.pp_group]
 
     @override
     def teardown(self) -> None:
-        lm = self.lightning_module
-        if lm is not None:
-            state = lm._trainer.state if lm._trainer is not None else None
-            fit_done = state is not None and state.fn == "fit" and state.status == "running"
+        if self.lightning_module is not None:
             self._outer.to_rest()  # a fit that stopped while gradients accumulated (max_time=, should_stop)
-            if fit_done and any(t.is_meta for t in [*lm.parameters(), *lm.buffers()]):
-                _partial.guard(lm, self._partial_message(lm))
-        super().teardown()
+        super().teardown()  # (the module guarded where it holds only its stages' blocks)
         self.runtime = None
 
+    @override
     def _partial_message(self, lm: Any) -> str:
         tensors = [*lm.parameters(), *lm.buffers()]
         meta = sum(t.is_meta for t in tensors)

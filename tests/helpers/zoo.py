@@ -340,16 +340,60 @@ class ALiBiBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
+class Expert(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """A home-written mixture as users write one: top-2 of 4 experts by a softmax router, the chosen weights
+    renormalised (Mixtral's rule), a loop over the experts that skips those no token chose."""
+
+    def __init__(self, width: int, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList([Expert(width) for _ in range(experts)])
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if len(token) == 0:
+                continue
+            out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+        return out.view_as(x)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm_a, self.norm_b = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.mix = Mixer(width, heads)
+        self.moe = MoE(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.norm_a(x))
+        return x + self.moe(self.norm_b(x))
+
+
 class HomeLM(_Optim, L.LightningModule):
-    """A home-written decoder over ``RoPEBlock``, ``FusedBlock`` (learned positions) or ``ALiBiBlock``."""
+    """A home-written decoder over ``RoPEBlock``, ``FusedBlock`` (learned positions), ``ALiBiBlock`` or
+    ``MoEBlock`` (a home-written mixture of experts)."""
 
     def __init__(self, kind: str, vocab_size: int, lr: float = 0.05, optimizer: str = "sgd"):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, H)
         self.where = nn.Embedding(64, H) if kind == "fused" else None
-        make = {"fused": lambda: FusedBlock(H, 4), "rope": lambda: RoPEBlock(H, 4), "alibi": lambda: ALiBiBlock(H, 4)}[
-            kind
-        ]
+        make = {"fused": lambda: FusedBlock(H, 4), "rope": lambda: RoPEBlock(H, 4), "alibi": lambda: ALiBiBlock(H, 4),
+                "moe": lambda: MoEBlock(H, 4)}[kind]  # fmt: skip
         self.stack = nn.ModuleList([make() for _ in range(2)])
         self.out = nn.Linear(H, vocab_size)
         self.lr, self.opt = lr, optimizer
@@ -387,7 +431,7 @@ ROWS = (*(f"hf:{f}" for f in HF_FAMILIES), "hf:qwen3_moe", "hf:falcon_h1", "hf:g
         "hf:bert",
         "litgpt", "timm:vit", "lightning:demo", "home:rope", "home:fused", "home:alibi")  # fmt: skip
 # what the parity helper builds: the matrix's rows, and models tested on their own (tests/strategies/test_families_2026.py)
-MODELS = (*ROWS, "hf:qwen3_next", "hf:t5_encoder")
+MODELS = (*ROWS, "hf:qwen3_next", "hf:t5_encoder", "home:moe")
 
 
 def build(
@@ -409,6 +453,6 @@ def build(
         return LitGPT(vocab, lr=lr, optimizer=optimizer), data
     if row == "lightning:demo":
         return LightningDemo(vocab, lr=lr, optimizer=optimizer), data
-    if row in ("home:rope", "home:fused", "home:alibi"):
+    if row in ("home:rope", "home:fused", "home:alibi", "home:moe"):
         return HomeLM(row[5:], vocab, lr=lr, optimizer=optimizer), data
     raise KeyError(row)

@@ -5,6 +5,8 @@ CPU), as in one process."""
 
 from __future__ import annotations
 
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -22,16 +24,23 @@ def _ep2(dp: int = 2) -> object:
 
 
 class _HoldsItsExperts(L.Callback):
-    """Each rank holds num_experts / ep of every experts module it runs, as DTensors sharded by expert (checked
-    after the first step: HelixPipe shards them once that step has split the blocks)."""
+    """Each rank holds num_experts / ep of every experts module it runs, as DTensors sharded by expert; of a
+    home-written mixture, num_experts / ep experts (the others on meta). Checked after the first step."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx:
             return
         sharded = [p for n, p in pl_module.named_parameters() if ".experts." in n and isinstance(p, DTensor)]
-        assert sharded, "no expert was sharded"
+        listed: dict[str, dict[str, bool]] = {}  # mixture -> expert -> on meta (another rank's)
+        for n, p in pl_module.named_parameters():
+            if found := re.search(r"^(.*)\.experts\.(\d+)\.", n):
+                listed.setdefault(found[1], {})[found[2]] = p.is_meta
+        listed = {m: experts for m, experts in listed.items() if not all(experts.values())}  # (another stage's)
+        assert sharded or listed, "no expert was sharded"
         for p in sharded:
             assert p.to_local().shape[0] * 2 == p.shape[0], (tuple(p.to_local().shape), tuple(p.shape))
+        for experts in listed.values():
+            assert sum(experts.values()) * 2 == len(experts), experts
 
 
 @pytest.mark.parametrize(
@@ -44,6 +53,52 @@ class _HoldsItsExperts(L.Callback):
 )  # fmt: skip
 def test_ep2_trains_as_one_process(row, dtype):
     assert_parity(row, _ep2(), 2, data_parallel_size=2, dtype=dtype, callbacks=lambda: [_HoldsItsExperts()])
+
+
+def test_a_home_written_mixture_trains_as_one_process():
+    """An ``nn.ModuleList`` of experts beside a top-2 softmax router, its own loop skipping the experts no token
+    chose (tests/helpers/zoo.py, ``MoE``): each rank keeps two of the four experts; parity in float64 (AdamW)."""
+    assert_parity("home:moe", _ep2(), 2, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2dp2", "dp4"])
+def test_a_home_written_mixture_composes(layout):
+    """The home-written mixture under pp=2 x dp=2 (AdamW) and over two replicas of an ep group, with clipping
+    (SGD: a wrong norm would show)."""
+    if layout == "dp4":
+        assert_parity("home:moe", _ep2(4), 4, data_parallel_size=4, optimizer="sgd", gradient_clip_val=0.05)
+        return
+    strategy = lambda: PipelineParallelStrategy(  # noqa: E731
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2
+    )
+    assert_parity("home:moe", strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
+
+
+def _fit_home_mixture(rank, world_size):
+    from tests.helpers.parity import build
+    from tests.helpers.trainers import quick_fit
+
+    module, data = build("home:moe", 4, "adamw")
+    trainer = quick_fit(module, data, HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2), 2)
+    with pytest.raises(RuntimeError, match=r"holds only its expert-parallel rank's experts"):
+        module.state_dict()
+    whole, gathered = trainer.strategy.full_state_dict(), trainer.strategy.gather_named_parameters()
+    return {k: v.cpu() for k, v in whole.items()}, {k: v.cpu() for k, v in gathered.items()}
+
+
+def test_after_a_fit_a_home_written_mixture_is_whole_through_the_strategy_only():
+    """Each rank holds half the experts after the fit: the module's own state_dict() refuses (it would be
+    partial); full_state_dict() gives rank 0 every expert, equal to what gather_named_parameters() gives."""
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.parity import build
+
+    (whole, gathered), (nothing, again) = run_distributed(_fit_home_mixture, 2, init_process_group=False)
+    names = dict(build("home:moe", 4, "adamw")[0].named_parameters()).keys()
+    assert nothing == {} and gathered.keys() == names == again.keys()
+    for name in names:
+        torch.testing.assert_close(whole[name], gathered[name], rtol=0, atol=0)
+        torch.testing.assert_close(again[name], gathered[name], rtol=0, atol=0)
 
 
 def test_ep2_over_four_replicas_with_clipping_trains_as_one_process():
@@ -146,22 +201,23 @@ def test_a_bad_size_is_refused_when_the_strategy_is_built():
 MOE = "hf:qwen3_moe@batched_mm"
 
 
-def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path):
+@pytest.mark.parametrize("model", [MOE, "home:moe"])
+def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, model):
     """Saved at ep=2, the checkpoint equals one saved at plain dp=2 (each expert once, whole, in order, with its
     AdamW state); it loads into one process, and dp=2's loads at ep=2."""
     from lightning_parallel.checkpoint import load_sharded
     from tests.strategies.test_checkpoints import _assert_close, _run
 
     ep2, dp2 = str(tmp_path / "ep2.ckpt"), str(tmp_path / "dp2.ckpt")
-    _run("dp2ep2", 2, ckpt_out=ep2, model=MOE)
-    _run("dp2", 2, ckpt_out=dp2, model=MOE)
+    _run("dp2ep2", 2, ckpt_out=ep2, model=model)
+    _run("dp2", 2, ckpt_out=dp2, model=model)
     saved, reference = load_sharded(ep2), load_sharded(dp2)
-    experts = [k for k in reference["state_dict"] if k.endswith("experts.gate_up_proj")]
+    experts = [k for k in reference["state_dict"] if re.search(r"experts\.(gate_up_proj|3\.up\.weight)$", k)]
     assert experts and all(saved["state_dict"][k].shape == reference["state_dict"][k].shape for k in experts)
     _assert_close(saved["state_dict"], reference["state_dict"], "ep=2 checkpoint vs dp=2")
     _assert_close(saved["optimizer_states"][0]["state"], reference["optimizer_states"][0]["state"], "AdamW state")
     for source, target in ((ep2, "one"), (dp2, "dp2ep2")):
-        _, _, params, optimizer = _run(target, 3, ckpt_in=source, model=MOE)
+        _, _, params, optimizer = _run(target, 3, ckpt_in=source, model=model)
         _assert_close(params, {k: v for k, v in reference["state_dict"].items() if k in params}, target)
         _assert_close(optimizer, reference["optimizer_states"][0]["state"], f"{target}: AdamW state")
 
@@ -182,11 +238,15 @@ def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout
     _assert_close(saved["optimizer_states"][0]["state"], reference["optimizer_states"][0]["state"], "AdamW state")
 
 
-@pytest.mark.parametrize("layout", ["dp2ep2", pytest.param("pp2dp2ep2", marks=pytest.mark.slow)])
-def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout):
+@pytest.mark.parametrize(
+    ("layout", "model"),
+    [("dp2ep2", MOE), pytest.param("dp2ep2", "home:moe", marks=pytest.mark.slow),
+     pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout, model):
     from tests.strategies.test_checkpoints import _assert_close, _run
 
-    kw = dict(model=MOE, epoch_end=True)
+    kw = dict(model=model, epoch_end=True)
     straight, final, _, _ = _run(layout, 8, ckpt_out=str(tmp_path / "straight.ckpt"), **kw)
     ckpt = str(tmp_path / "epoch.ckpt")
     first, _, _, _ = _run(layout, 4, ckpt_out=ckpt, **kw)
