@@ -103,10 +103,25 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if isinstance(module.forward, ExpertParallelForward):  # sharded already (its count is its local experts')
             found.append((name, module))
             continue
-        params = list(inspect.signature(type(module).forward).parameters)[1:4]
-        if len(params) == 3 and "ind" in params[1] and "weight" in params[2] and _stacked(module, count):
+        if _routed(module) or _dense(module):
             found.append((name, module))
     return found
+
+
+def _routed(module: nn.Module) -> bool:
+    """Called as ``experts(hidden, top_k_index, top_k_weights)`` (module docstring)."""
+    params = list(inspect.signature(type(module).forward).parameters)[1:]
+    routed = len(params) >= 3 and "ind" in params[1] and "weight" in params[2]
+    return routed and bool(_stacked(module, module.num_experts))
+
+
+def _dense(module: nn.Module) -> bool:
+    """Called as ``experts(rows)`` on ``num_experts`` equal blocks of rows, block e for expert e (Llama 4: every
+    token's hidden state scaled by its score for each expert, zero where not chosen)."""
+    params = list(inspect.signature(type(module).forward).parameters)[1:]
+    own = list(module.parameters(recurse=False))  # every one stacked, weights 3-D (not a router's (E, H) weight)
+    stacked = own and len(_stacked(module, module.num_experts)) == len(own) and any(p.dim() >= 3 for p in own)
+    return len(params) == 1 and bool(stacked)
 
 
 def _stacked(module: nn.Module, num_experts: int) -> list[str]:
@@ -139,20 +154,22 @@ def tracing(block: nn.Module) -> Iterator[None]:
 
 
 @torch.library.custom_op("lightning_parallel::experts", mutates_args=())
-def experts_call(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, path: str) -> Tensor:
+def experts_call(hidden: Tensor, top_k_index: Optional[Tensor], top_k_weights: Optional[Tensor], path: str) -> Tensor:
     """An expert-parallel experts call (the module at ``path`` in the block) as one op of a traced graph; the
     traced program calls the module there instead (:func:`call_experts`), so this body never runs."""
     raise RuntimeError("lightning_parallel::experts runs only inside a traced program")
 
 
 @experts_call.register_fake
-def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, path: str) -> Tensor:
+def _(hidden: Tensor, top_k_index: Optional[Tensor], top_k_weights: Optional[Tensor], path: str) -> Tensor:
     return hidden.new_empty(hidden.shape)
 
 
-def call_experts(block: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, path: str) -> Tensor:
+def call_experts(block: nn.Module, hidden: Tensor, top_k_index: Optional[Tensor], top_k_weights: Optional[Tensor],
+                 path: str) -> Tensor:  # fmt: skip
     """What a traced program runs for :func:`experts_call`: the block's experts module at ``path``."""
-    return block.get_submodule(path)(hidden, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+    experts = block.get_submodule(path)
+    return experts(hidden) if top_k_index is None else experts(hidden, top_k_index, top_k_weights)  # type: ignore
 
 
 class ExpertParallelForward:
@@ -161,20 +178,42 @@ class ExpertParallelForward:
 
     def __init__(self, module: nn.Module, num_experts: int, mesh: DeviceMesh) -> None:
         self.module, self.num_experts, self.mesh = module, num_experts, mesh
+        self.dense = len(inspect.signature(type(module).forward).parameters) == 2  # (self, rows): see _dense
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
-        hidden, top_k_index, top_k_weights = list(bound.arguments.values())[1:4]
+        if self.dense:
+            hidden, top_k_index, top_k_weights = list(bound.arguments.values())[1], None, None
+        else:
+            hidden, top_k_index, top_k_weights = list(bound.arguments.values())[1:4]
         if torch.compiler.is_exporting() and id(self.module) in _TRACED:
             return experts_call(hidden, top_k_index, top_k_weights, _TRACED[id(self.module)])
+        if top_k_index is None:
+            return self._dense(hidden)
         group = self.mesh.get_group()
         routing = route(top_k_index, self.num_experts, group)
         rows = dispatch(hidden, routing, top_k_index.shape[-1], group)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        mine = {f"module.{n}": p.to_local() for n, p in self.module.named_parameters() if isinstance(p, DTensor)}
-        own = ClassForward(self.module)
-        out = torch.func.functional_call(own, mine, (rows, routing.local.unsqueeze(1), ones), strict=False)
+        out = self._own(rows, routing.local.unsqueeze(1), ones)
         return combine(out, routing, top_k_weights, group)
+
+    def _own(self, *args: Tensor) -> Tensor:
+        """The module's class forward on its local experts."""
+        mine = {f"module.{n}": p.to_local() for n, p in self.module.named_parameters() if isinstance(p, DTensor)}
+        return torch.func.functional_call(ClassForward(self.module), mine, args, strict=False)  # type: ignore
+
+    def _dense(self, hidden: Tensor) -> Tensor:
+        """Dense experts (:func:`_dense`): each rank's block of rows for expert e goes to e's rank, which computes
+        its experts on every rank's rows (block e: the ranks' rows in rank order), and back."""
+        group, ep = self.mesh.get_group(), self.mesh.size()
+        per_rank, n = self.num_experts // ep, hidden.shape[0] // self.num_experts
+        sizes = _collectives.all_to_all_counts(torch.full((ep,), n, device=hidden.device), group).tolist()
+        rows = _collectives.all_to_all_rows(hidden, [per_rank * n] * ep, [per_rank * m for m in sizes], group)
+        blocks = [r.view(per_rank, m, -1) for r, m in zip(rows.split([per_rank * m for m in sizes]), sizes)]
+        out = self._own(torch.cat(blocks, dim=1).flatten(0, 1))
+        back = out.view(per_rank, sum(sizes), -1).split(sizes, dim=1)
+        mine = torch.cat([b.flatten(0, 1) for b in back])
+        return _collectives.all_to_all_rows(mine, [per_rank * m for m in sizes], [per_rank * n] * ep, group)
 
     def __deepcopy__(self, memo: dict) -> ExpertParallelForward:
         """A copy of the module (a block's verification copy) calls its own copy's experts."""

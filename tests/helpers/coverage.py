@@ -29,7 +29,17 @@ COLUMNS = {
         2,
         4,
     ),
+    "expert_parallel": (lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2), 2, 2),
 }
+#: the columns that apply to some rows only (the others show "n/a"): expert parallelism to the mixtures of experts
+ONLY = {"expert_parallel": {"hf:mixtral", "hf:qwen3_moe", "hf:gpt_oss", "hf:deepseek_v3", "hf:llama4",
+                            "packed:hf:mixtral"}}  # fmt: skip
+
+
+def applies(row: str, column: str) -> bool:
+    return column not in ONLY or row in ONLY[column]
+
+
 COLUMN_TITLES = {
     "pipeline": "pipeline pp=2",
     "helix": "helix p=2",
@@ -39,6 +49,7 @@ COLUMN_TITLES = {
     "hybrid": "hybrid dp=2, no_attention, mlp_chunks=2",
     "helix_tp": "helix p=2 x tp=2",
     "full_tp": "hybrid dp=2 x tp=2, data_parallel_sharding='full'",
+    "expert_parallel": "expert_parallel dp=2, ep=2 (mixtures)",
 }
 # the library's own errors: a cell that fails must end with one of these, never an internal traceback
 CLEAR = re.compile(r"lightning_parallel\.errors\.(AnatomyError|ConfigurationError): (.+(\n  - .+)*)")
@@ -147,7 +158,7 @@ def _table(rows: list[str], results: dict[tuple[str, str], Cell], errors: list[s
         for column in COLUMNS:
             cell = results.get((row, column))
             if cell is None:
-                cells.append("not run")
+                cells.append("not run" if applies(row, column) else "n/a")
             elif cell.status == "parity":
                 served = ", ".join(
                     _SHORT.get(a.strip(), a.strip().replace("adapter ", "adapter "))

@@ -46,6 +46,7 @@ class _HoldsItsExperts(L.Callback):
 @pytest.mark.parametrize(
     ("row", "dtype"),
     [("hf:mixtral@batched_mm", "float64"), ("hf:qwen3_moe@batched_mm", "float64"), ("hf:gpt_oss@eager", "float64"),
+     ("hf:llama4", "float64"),  # dense experts: every token to each expert, scaled by its score
      # DeepSeek-V3's router computes its logits in float32 whatever the model's dtype (F.linear on .float()
      # copies), so no layout that splits its batch matches one process at float64's 1e-9, plain dp included:
      # the contract's float32 tier (SGD, 1e-5), with transformers' default grouped_mm experts
@@ -201,7 +202,7 @@ def test_a_bad_size_is_refused_when_the_strategy_is_built():
 MOE = "hf:qwen3_moe@batched_mm"
 
 
-@pytest.mark.parametrize("model", [MOE, "home:moe"])
+@pytest.mark.parametrize("model", [MOE, pytest.param("home:moe", marks=pytest.mark.slow)])
 def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, model):
     """Saved at ep=2, the checkpoint equals one saved at plain dp=2 (each expert once, whole, in order, with its
     AdamW state); it loads into one process, and dp=2's loads at ep=2."""

@@ -14,7 +14,7 @@ from lightning_parallel.expert_parallel import check_experts, find_experts, shar
 from tests.helpers.distributed import run_distributed
 from tests.helpers.zoo import hf_config
 
-FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "llama4"]  # (Llama 4: dense experts, every token to each)
 
 
 def _moe_block(family: str, experts: str) -> torch.nn.Module:
@@ -26,7 +26,8 @@ def _moe_block(family: str, experts: str) -> torch.nn.Module:
     config = hf_config(family, 64, 2)
     config._experts_implementation = experts
     model = AutoModelForCausalLM.from_config(config).double()
-    block = model.model.layers[-1].mlp
+    layer = model.model.layers[-1]
+    block = layer.feed_forward if family == "llama4" else layer.mlp
     for p in block.parameters():  # transformers' init leaves some MoE tensors at zero: every path must be seen
         torch.nn.init.normal_(p, std=0.2)
     return block
