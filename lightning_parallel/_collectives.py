@@ -286,6 +286,14 @@ def all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: Proce
     return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
 
 
+def all_gather_rows(rows: Tensor, group: ProcessGroup) -> Tensor:
+    """Every rank's ``rows`` (any count each) concatenated along dim 0 by rank, with autograd: the gradient of a
+    rank's rows is the sum of what every rank's copy received (an all-to-all of the copies, and back)."""
+    size = group_size(group)
+    counts = all_to_all_counts(torch.full((size,), rows.shape[0], device=rows.device), group).tolist()
+    return all_to_all_rows(rows.repeat(size, *[1] * (rows.dim() - 1)), [rows.shape[0]] * size, counts, group)
+
+
 def ring_shift(tensor: Tensor, group: ProcessGroup) -> Tensor:
     """Send ``tensor`` to the next rank of ``group``'s ring; return the previous rank's (same shape)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)

@@ -48,6 +48,7 @@ from lightning_parallel.blocks import BlockConfig, BlockLayer
 from lightning_parallel.mesh import AXES, DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
+from lightning_parallel.router_losses import over_the_batch
 from lightning_parallel.strategies import _failures, _sharding, gradients
 from lightning_parallel.strategies._dp_sharding import DataParallel, DataParallelShardingMixin
 from lightning_parallel.strategies._experts import ExpertParallel
@@ -303,15 +304,22 @@ class HybridParallelStrategy(
         self._before_first_call("training_step", args, kwargs)
         self._token_scale = None
         if self.parallel_dims.dp == 1:
-            with self._explain_sharded_use(), self._heads.active():
+            with self._explain_sharded_use(), self._heads.active(), over_the_batch(self._token_groups()):
                 return super().training_step(*args, **kwargs)
         # data parallelism: a token-mean loss is weighted by each replica's share of the tokens (token_mean.py)
         lm = self.lightning_module
-        with self._explain_sharded_use(), self._heads.active(), CrossEntropyCalls() as calls:
+        with self._explain_sharded_use(), self._heads.active(), over_the_batch(self._token_groups()), \
+                CrossEntropyCalls() as calls:  # fmt: skip
             with recording(lm, TokenMeanLogs(lm, calls.count_of)) as logs:
                 output = super().training_step(*args, **kwargs)
         self._token_scale = self._replicas_token_mean(output, calls, logs.deferred)
         return output
+
+    def _token_groups(self) -> list[Any]:
+        """The groups whose ranks hold other tokens of the batch: the sequence shards, the replicas (a mixture's
+        balancing loss is computed over all of them: :mod:`lightning_parallel.router_losses`)."""
+        dims = self.parallel_dims
+        return [self._mesh.get_group(axis) for axis, size in ((SP, dims.sp), (DP, dims.dp)) if size > 1]
 
     def _replicas_token_mean(self, output: Any, calls: CrossEntropyCalls, deferred: list) -> Optional[Tensor]:
         """Log the deferred token-mean values as their mean over every replica's tokens; return the factor that

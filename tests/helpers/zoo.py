@@ -112,19 +112,25 @@ class HFCausalLM(_Optim, L.LightningModule):
         super().__init__()
         import transformers
 
+        family, aux = family.removesuffix("+aux"), family.endswith("+aux")  # "+aux": the router's balancing loss
         family, _, experts = family.partition("@")  # "mixtral@batched_mm": transformers' experts implementation
         config = hf_config(family, vocab_size, num_layers)
         if experts:
             config._experts_implementation = experts
+        if aux:  # its coefficient large enough that a wrong balancing loss shows in the parameters
+            config.output_router_logits, config.router_aux_loss_coef = True, 0.5
         self.model = transformers.AutoModelForCausalLM.from_config(config)
         self.lr, self.opt = lr, optimizer
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
-        logits = self.model(input_ids=idx).logits
+        out = self.model(input_ids=idx)
+        logits = out.logits
         # at least float32, as transformers' own loss (float64 stays float64: the parity contract's dtype)
         loss = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                                targets.flatten())  # fmt: skip
+        if getattr(out, "aux_loss", None) is not None:  # the router's load-balancing loss, as transformers adds it
+            loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss
         self.log("train_loss", loss)
         return loss
 
@@ -446,7 +452,7 @@ def build(
         return HFMaskedLM(vocab, lr=lr, optimizer=optimizer), data
     if row == "hf:t5_encoder":
         return HFT5Encoder(vocab, lr=lr, optimizer=optimizer), data
-    if row.startswith("hf:"):  # "hf:mixtral@batched_mm#4": four layers (two by default)
+    if row.startswith("hf:"):  # "hf:mixtral@batched_mm+aux#4": four layers (two by default), the balancing loss
         family, _, layers = row[3:].partition("#")
         return HFCausalLM(family, vocab, int(layers or 2), lr=lr, optimizer=optimizer), data
     if row == "litgpt":

@@ -1,0 +1,82 @@
+"""The routers' auxiliary losses of transformers' mixtures over the whole batch, as one device computes them.
+
+A load-balancing loss (Switch Transformer, Fedus et al., arXiv 2101.03961, eq. 4; transformers'
+``load_balancing_loss_func``: ``E · Σ_e f_e · P_e``, ``f_e`` the share of the tokens routed to expert e, ``P_e``
+the mean router probability of e, over the batch's tokens) is a product of two means: computed on each data-
+parallel replica's part of the batch and averaged, it is not the whole batch's. While a training step runs over
+several replicas (or sequence shards), each family's ``load_balancing_loss_func`` gets the routers' logits (and
+the attention mask) of every rank holding other tokens of the batch, gathered along the tokens (with autograd),
+so every rank computes the whole batch's loss. Its gradient on a rank's own logits then sums every rank's copy
+(:func:`lightning_parallel._collectives.all_gather_rows`), which the replicas' gradient mean turns into the one
+device's gradient.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor
+
+from lightning_parallel import _collectives
+from lightning_parallel.errors import ConfigurationError
+
+_NAME = "load_balancing_loss_func"
+
+
+@contextmanager
+def over_the_batch(groups: list[Any]) -> Iterator[None]:
+    """While open, transformers' loaded mixtures compute their balancing losses over the ranks of ``groups``
+    (the sequence shards, then the data-parallel replicas: each holds other tokens of the batch)."""
+    patched = []
+    if groups:
+        for module in list(sys.modules.values()):
+            original = getattr(module, _NAME, None) if _family(module) else None
+            if callable(original) and not hasattr(original, "gathers"):
+                setattr(module, _NAME, _gathering(original, groups))
+                patched.append((module, original))
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            setattr(module, _NAME, original)
+
+
+def _family(module: Any) -> bool:
+    return getattr(module, "__name__", "").startswith("transformers.models.")
+
+
+def _gathering(original: Callable[..., Any], groups: list[Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        first = next(iter(values))  # the routers' logits: one (tokens, experts) tensor per layer
+        if isinstance(values[first], (tuple, list)):
+            values[first] = type(values[first])(_gather(t, groups) for t in values[first])
+        mask = values.get("attention_mask")
+        if isinstance(mask, Tensor):
+            if len(groups) > 1:  # sequence shards: a rank's logits are its part of every row
+                raise ConfigurationError(
+                    "a mixture's load-balancing loss with an attention mask under sequence parallelism is not"
+                    " supported: drop the mask (causal rows need none) or sequence_parallel_size"
+                )
+            values["attention_mask"] = _gather(mask, groups)
+        return original(*bound.args, **bound.kwargs)
+
+    load_balancing_loss_func.gathers = True  # type: ignore[attr-defined]
+    return load_balancing_loss_func
+
+
+def _gather(t: Tensor, groups: list[Any]) -> Tensor:
+    for group in groups:
+        t = _collectives.all_gather_rows(t, group)
+    return t
+
+
+__all__ = ["over_the_batch"]
