@@ -7,8 +7,9 @@ parallel replica's part of the batch and averaged, it is not the whole batch's. 
 several replicas (or sequence shards), each family's ``load_balancing_loss_func`` gets the routers' logits (and
 the attention mask) of every rank holding other tokens of the batch, gathered along the tokens (with autograd),
 so every rank computes the whole batch's loss. Its gradient on a rank's own logits then sums every rank's copy
-(:func:`lightning_parallel._collectives.all_gather_rows`), which the replicas' gradient mean turns into the one
-device's gradient.
+(:func:`lightning_parallel._collectives.all_gather_rows`): over the data-parallel replicas, whose gradients are
+averaged, that is the one device's gradient; over the sequence shards, whose gradients are summed, it is divided
+by their number (each shard's gradient is then its own logits' part once).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_parallel import _collectives
@@ -28,9 +30,10 @@ _NAME = "load_balancing_loss_func"
 
 
 @contextmanager
-def over_the_batch(groups: list[Any]) -> Iterator[None]:
+def over_the_batch(groups: list[tuple[Any, bool]]) -> Iterator[None]:
     """While open, transformers' loaded mixtures compute their balancing losses over the ranks of ``groups``
-    (the sequence shards, then the data-parallel replicas: each holds other tokens of the batch)."""
+    (the sequence shards, then the data-parallel replicas: each holds other tokens of the batch), each given
+    with whether the ranks' gradients are summed (sequence shards) or averaged (replicas)."""
     patched = []
     if groups:
         for module in list(sys.modules.values()):
@@ -49,7 +52,7 @@ def _family(module: Any) -> bool:
     return getattr(module, "__name__", "").startswith("transformers.models.")
 
 
-def _gathering(original: Callable[..., Any], groups: list[Any]) -> Callable[..., Any]:
+def _gathering(original: Callable[..., Any], groups: list[tuple[Any, bool]]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
@@ -73,10 +76,23 @@ def _gathering(original: Callable[..., Any], groups: list[Any]) -> Callable[...,
     return load_balancing_loss_func
 
 
-def _gather(t: Tensor, groups: list[Any]) -> Tensor:
-    for group in groups:
-        t = _collectives.all_gather_rows(t, group)
+def _gather(t: Tensor, groups: list[tuple[Any, bool]]) -> Tensor:
+    for group, summed in groups:
+        t = _collectives.all_gather_rows(_GradientOver.apply(t, group) if summed else t, group)
     return t
+
+
+class _GradientOver(torch.autograd.Function):
+    """Identity; the gradient divided by the group's size (the copies' sum over ranks whose gradients sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: Any) -> Tensor:
+        ctx.size = _collectives.group_size(group)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad / ctx.size, None
 
 
 __all__ = ["over_the_batch"]

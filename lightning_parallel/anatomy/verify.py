@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -134,8 +135,26 @@ def verify(
     ``build(copy)`` transforms a float64 copy of the block and returns ``(forward, gradients)``:
     ``forward(copy, x, args, kwargs)`` runs it, ``gradients(copy)`` returns its parameter gradients by name
     as one process would see them (a collective where the copy is sharded)."""
-    with torch.autocast(x.device.type, enabled=False), _reference(block, x, args, kwargs, through) as ran:
-        _compare(block, build, name, groups, *ran)
+    with torch.autocast(x.device.type, enabled=False), not_captured():
+        with _reference(block, x, args, kwargs, through) as ran:
+            _compare(block, build, name, groups, *ran)
+
+
+@contextmanager
+def not_captured() -> Iterator[None]:
+    """transformers' output capturing (a model's router logits, hidden states: forward hooks that append to the
+    model call's collector) off while a block's copies run for verification or tracing: the model's own call
+    would otherwise collect their outputs too (and a balancing loss backward through the copies' graphs)."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    if collector is None:
+        yield
+        return
+    token = collector.set(None)
+    try:
+        yield
+    finally:
+        collector.reset(token)
 
 
 @contextmanager

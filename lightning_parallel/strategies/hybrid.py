@@ -315,11 +315,13 @@ class HybridParallelStrategy(
         self._token_scale = self._replicas_token_mean(output, calls, logs.deferred)
         return output
 
-    def _token_groups(self) -> list[Any]:
-        """The groups whose ranks hold other tokens of the batch: the sequence shards, the replicas (a mixture's
-        balancing loss is computed over all of them: :mod:`lightning_parallel.router_losses`)."""
+    def _token_groups(self) -> list[tuple[Any, bool]]:
+        """The groups whose ranks hold other tokens of the batch, and whether their gradients are summed: the
+        sequence shards (summed), the replicas (averaged); a mixture's balancing loss is computed over all of
+        them (:mod:`lightning_parallel.router_losses`)."""
         dims = self.parallel_dims
-        return [self._mesh.get_group(axis) for axis, size in ((SP, dims.sp), (DP, dims.dp)) if size > 1]
+        groups = [(self._mesh.get_group(SP), True)] if dims.sp > 1 else []
+        return groups + ([(self._mesh.get_group(DP), False)] if dims.dp > 1 else [])
 
     def _replicas_token_mean(self, output: Any, calls: CrossEntropyCalls, deferred: list) -> Optional[Tensor]:
         """Log the deferred token-mean values as their mean over every replica's tokens; return the factor that

@@ -102,17 +102,6 @@ def test_after_a_fit_a_home_written_mixture_is_whole_through_the_strategy_only()
         torch.testing.assert_close(again[name], gathered[name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_the_routers_balancing_loss_is_the_whole_batchs(ep):
-    """Mixtral's load-balancing loss (``output_router_logits``, coefficient 0.5) over dp=2, without and with ep:
-    a product of two means over the batch's tokens, computed on every rank over every replica's router logits
-    (lightning_parallel/router_losses.py), as one process computes it. SGD: transformers sums the router
-    probabilities in float32 whatever the model's dtype, and the replicas' tokens come in another order than one
-    process's, so the loss agrees to float32's rounding; Adam turns that into updates 1e-8 off, SGD keeps 1e-9."""
-    strategy = lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=ep)  # noqa: E731
-    assert_parity("hf:mixtral@batched_mm+aux", strategy, 2, data_parallel_size=2, optimizer="sgd")
-
-
 def test_ep2_over_four_replicas_with_clipping_trains_as_one_process():
     """dp=4 = 2 replicas of an ep group of 2: an expert's gradient is its group's, averaged over the replicas;
     clipping counts every expert once."""

@@ -200,7 +200,7 @@ def trace(
     block: nn.Module, x: Tensor, args: tuple, kwargs: dict, attention_route: Callable[[nn.Module], Any] | None = None
 ) -> Program:
     """Trace ``block``'s own forward on (copies of) this call's arguments; see the module docstring."""
-    from lightning_parallel.anatomy.verify import stand_in_copy
+    from lightning_parallel.anatomy.verify import not_captured, stand_in_copy
 
     copy = stand_in_copy(block)
     leaves, spec = tree_flatten(((x, *args), kwargs))
@@ -209,7 +209,7 @@ def trace(
     dims = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
     context = attention_route(copy) if attention_route is not None else nullcontext()
     try:
-        with _quiet(), context, torch.autocast("cpu", enabled=False), tracing(copy):
+        with _quiet(), context, torch.autocast("cpu", enabled=False), tracing(copy), not_captured():
             ep = torch.export.export(_Flat(copy, spec, leaves), tensors, dynamic_shapes={"tensors": dims}, strict=False)
     except Unsupported:
         raise
