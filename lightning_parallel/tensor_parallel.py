@@ -95,8 +95,9 @@ class TensorParallelLayout:
     partial: list[nn.Parameter] = field(default_factory=list)  # replicated, but see a sequence shard
 
     def to_full(self, name: str, value: Tensor) -> Tensor:
-        """The whole tensor in the original (unpermuted) order; a collective for a DTensor of this mesh."""
-        if not isinstance(value, DTensor) or value.device_mesh != self.mesh:  # (an expert sharded over ep)
+        """The whole tensor in the original (unpermuted) order; a collective for a DTensor over this mesh's axis
+        (alone, or with FSDP's); an expert sharded over expert parallelism's axis stays as it is."""
+        if not isinstance(value, DTensor) or _other_axes(value.device_mesh, self.mesh):
             return value
         full = value.full_tensor()
         if name in self.permuted:
@@ -111,6 +112,12 @@ class TensorParallelLayout:
             full = full.index_select(dim, perm)
         full = full.to(device=like.device, dtype=like.dtype)
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _other_axes(mesh: DeviceMesh, tp: DeviceMesh) -> bool:
+    """Whether ``mesh`` (both meshes named) has none of the tensor-parallel mesh's axes."""
+    names, ours = mesh.mesh_dim_names, tp.mesh_dim_names
+    return bool(names and ours) and not set(names) & set(ours)
 
 
 def expand_plan(block: nn.Module, user_plan: dict[str, str]) -> dict[str, str]:
