@@ -167,7 +167,7 @@ def main() -> None:
         step = max(sum(s[args.warmup :]) / len(s[args.warmup :]) for s, _, _ in results)
         exchange = max(sum(e[args.warmup :]) / len(e[args.warmup :]) for _, e, _ in results)
         rates[layout], held[layout] = tokens / step, results[0][2]
-        line = f"{layout:>11}: {tokens / step:8.0f} tokens/s (step {step * 1e3:.0f} ms)"
+        line = f"{layout}: {tokens / step:.0f} tokens/s (step {step * 1e3:.0f} ms)"
         if "ep" in layout:
             line += f"; all-to-all {exchange * 1e3:.0f} ms per step ({100 * exchange / step:.0f} % of the step)"
         print(line, flush=True)
