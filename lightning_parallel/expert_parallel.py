@@ -259,6 +259,7 @@ class ListExperts:
         self.calls: list[tuple[int, Tensor]] = []
         self.answers: Optional[list[Tensor]] = None  # the second run's (None: the first's)
         self.recording = False
+        self.tails: dict[tuple[int, ...], tuple[int, ...]] = {}  # an expert's output's trailing shape, by its input's
         for i, expert in enumerate(experts):
             expert.forward = _ExpertCall(self, i)
 
@@ -285,7 +286,7 @@ class ListExperts:
             self.calls, self.answers = [], None
         if left:
             raise ConfigurationError(
-                f"{type(self.module).__name__} called its experts {calls - left} times in its second run and {calls}"
+                f"{type(self.module).__name__} called its experts {calls - left} time(s) in its second run and {calls}"
                 " in its first: expert parallelism needs a mixture whose forward calls its experts alike each time"
             )
         return out
@@ -310,10 +311,13 @@ class ListExperts:
         return self.answers.pop(0)
 
     def _out_tail(self, rows: Tensor) -> tuple[int, ...]:
-        """The trailing shape of an expert's output (a local expert on no rows)."""
-        mine = next(e for e in self.experts if not any(p.is_meta for p in e.parameters()))
-        with torch.no_grad():
-            return tuple(type(mine).forward(mine, rows[:0]).shape[1:])
+        """The trailing shape of an expert's output (a local expert on no rows, once per input shape)."""
+        key = tuple(rows.shape[1:])
+        if key not in self.tails:
+            mine = next(e for e in self.experts if not any(p.is_meta for p in e.parameters()))
+            with torch.no_grad():
+                self.tails[key] = tuple(type(mine).forward(mine, rows[:0]).shape[1:])
+        return self.tails[key]
 
     def _exchange(self) -> list[Tensor]:
         """Every recorded call's rows to its expert's rank, computed there, and back (one all-to-all pair)."""
@@ -343,10 +347,9 @@ class ListExperts:
         return ListExperts(memo.get(id(self.module), self.module), memo.get(id(self.experts), self.experts), self.mesh)
 
 
-def shard_expert_list(module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh) -> list[nn.Parameter]:
+def shard_expert_list(module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh) -> None:
     """Keep this rank's ``E/ep`` experts of the home-written mixture ``module`` (the others to meta) and make its
-    call dispatch and combine over the 1-D ``mesh`` (:class:`ListExperts`); in place. Returns the parameters of
-    the experts kept."""
+    call dispatch and combine over the 1-D ``mesh`` (:class:`ListExperts`); in place."""
     ep, rank = mesh.size(), mesh.get_local_rank()
     check_experts(len(experts), ep, type(module).__name__)
     per_rank = len(experts) // ep
@@ -354,7 +357,6 @@ def shard_expert_list(module: nn.Module, experts: nn.ModuleList, mesh: DeviceMes
         if not rank * per_rank <= i < (rank + 1) * per_rank:
             expert.to(torch.device("meta"))
     module.forward = ListExperts(module, experts, mesh)
-    return [p for expert in experts[rank * per_rank : (rank + 1) * per_rank] for p in expert.parameters()]
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:

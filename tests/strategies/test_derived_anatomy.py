@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.coverage import COLUMNS
+from tests.helpers.coverage import COLUMNS, ONLY
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import assert_parity, build
 
@@ -27,6 +27,7 @@ def _without_adapters(make):
         if c in ("helix_tp", "full_tp", "ulysses", "ring", "hybrid", "helix")
         else c
         for c in COLUMNS
+        if c not in ONLY  # (the expert-parallel column: the mixtures of experts only)
     ],
 )  # the 4-rank columns, sequence parallelism and the hybrid: the coverage matrix's home-written fused block runs them
 # through the traced graph fast (time: 6-7 s each)
