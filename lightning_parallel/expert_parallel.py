@@ -33,6 +33,7 @@ other ranks' experts are on meta (each rank holds and saves ``E/ep`` of them, as
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,6 +92,16 @@ def combine(rows: Tensor, routing: Routing, top_k_weights: Tensor, group: Any) -
     return (pairs.view(n, k, -1) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
 
 
+def _joined(out: Tensor, rows: Tensor, params: Iterator[nn.Parameter]) -> Tensor:
+    """``out`` (exactly: plus zeros) joined to the autograd graph of the received ``rows`` and of this rank's
+    experts: a rank no row reached (its experts' code returns zeros without history) still runs the reverse
+    all-to-alls in the backward, as its peers do."""
+    for t in (rows, *(p.to_local() if isinstance(p, DTensor) else p for p in params)):
+        if t.requires_grad:
+            out = out + t.reshape(-1)[:0].sum().to(out.dtype)
+    return out
+
+
 def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's experts modules: a ``num_experts`` count, parameters stacked by expert (dim 0 of that size) and
     a forward called as ``experts(hidden, top_k_index, top_k_weights)`` (transformers 5's mixtures; GPT-OSS names
@@ -137,6 +148,9 @@ def check_experts(num_experts: int, ep: int, where: str) -> None:
             f" expert_parallel_size that divides {num_experts}"
         )
 
+
+#: the expert-parallel mesh axis's name (a part of dp: the set-up broadcast along dp leaves its shards alone)
+EP_AXIS = "dp_ep"
 
 #: while a block is traced (:func:`tracing`): each experts module's path in the traced copy, by ``id``
 _TRACED: dict[int, str] = {}
@@ -195,7 +209,7 @@ class ExpertParallelForward:
         rows = dispatch(hidden, routing, top_k_index.shape[-1], group)
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         out = self._own(rows, routing.local.unsqueeze(1), ones)
-        return combine(out, routing, top_k_weights, group)
+        return combine(_joined(out, rows, self.module.parameters()), routing, top_k_weights, group)
 
     def _own(self, *args: Tensor) -> Tensor:
         """The module's class forward on its local experts."""
@@ -301,11 +315,11 @@ class ListExperts:
                 f"expert {index} of {type(self.module).__name__} was called outside its mixture's forward: under"
                 " expert parallelism its rank may not hold it"
             )
-        if not self.answers or self.calls[0][0] != index or self.calls[0][1].shape != rows.shape:
+        if not self.answers or self.calls[0][0] != index or not torch.equal(self.calls[0][1], rows):
             raise ConfigurationError(
                 f"{type(self.module).__name__} called expert {index} on {tuple(rows.shape)} rows in its second run,"
-                " not as in its first: expert parallelism needs a mixture whose forward calls its experts alike"
-                " each time"
+                " not on the rows of its first: expert parallelism needs a mixture whose forward calls its experts"
+                " alike each time, each on rows that no expert's output computed (not one expert after another)"
             )
         self.calls.pop(0)
         return self.answers.pop(0)
@@ -337,8 +351,10 @@ class ListExperts:
             for j, chunk in enumerate(rows[order].split(sizes))
             if sizes[j]  # an expert no row reached is not called (its gradient stays None, as on one device)
         ]
-        computed = torch.cat([o.reshape(len(o), -1) for o in outs]) if outs else rows[:0]
-        back = combine_rows(computed[torch.argsort(order)], routing, group)
+        width = math.prod(self._out_tail(self.calls[0][1]))
+        computed = torch.cat([o.reshape(len(o), -1) for o in outs]) if outs else rows.new_zeros(0, width)
+        mine = [p for j in range(per_rank) for p in self.experts[first + j].parameters()]
+        back = combine_rows(_joined(computed[torch.argsort(order)], rows, iter(mine)), routing, group)
         return [a.view(len(r), *self._out_tail(r)) for a, (_, r) in zip(back.split([len(r) for _, r in self.calls]),
                                                                               self.calls)]  # fmt: skip
 
@@ -380,6 +396,7 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
 
 
 __all__ = [
+    "EP_AXIS",
     "ExpertParallelForward",
     "ListExperts",
     "Routing",

@@ -64,12 +64,13 @@ def _gathering(original: Callable[..., Any], groups: list[tuple[Any, bool]]) -> 
             values[first] = type(values[first])(_gather(t, groups) for t in values[first])
         mask = values.get("attention_mask")
         if isinstance(mask, Tensor):
-            if len(groups) > 1:  # sequence shards: a rank's logits are its part of every row
+            if any(summed for _, summed in groups):  # sequence shards: a rank's logits are its part of every row
                 raise ConfigurationError(
                     "a mixture's load-balancing loss with an attention mask under sequence parallelism is not"
                     " supported: drop the mask (causal rows need none) or sequence_parallel_size"
                 )
-            values["attention_mask"] = _gather(mask, groups)
+            # one row of every rank's tokens, in the logits' order (the replicas' rows may differ in length)
+            values["attention_mask"] = _gather(mask.reshape(-1), groups).unsqueeze(0)
         return original(*bound.args, **bound.kwargs)
 
     load_balancing_loss_func.gathers = True  # type: ignore[attr-defined]

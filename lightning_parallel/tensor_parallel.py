@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_parallel import _collectives
 from lightning_parallel.block_protocol import ClassForward
 from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.expert_parallel import EP_AXIS
 from lightning_parallel.trunk import vocabulary_modules
 
 STYLES = ("colwise", "rowwise", "colwise_qkv")
@@ -95,9 +96,9 @@ class TensorParallelLayout:
     partial: list[nn.Parameter] = field(default_factory=list)  # replicated, but see a sequence shard
 
     def to_full(self, name: str, value: Tensor) -> Tensor:
-        """The whole tensor in the original (unpermuted) order; a collective for a DTensor over this mesh's axis
-        (alone, or with FSDP's); an expert sharded over expert parallelism's axis stays as it is."""
-        if not isinstance(value, DTensor) or _other_axes(value.device_mesh, self.mesh):
+        """The whole tensor in the original (unpermuted) order; a collective for a DTensor (an expert sharded over
+        expert parallelism's axis stays as it is: its gradient in a verification is compared rank by rank)."""
+        if not isinstance(value, DTensor) or EP_AXIS in (value.device_mesh.mesh_dim_names or ()):
             return value
         full = value.full_tensor()
         if name in self.permuted:
@@ -112,12 +113,6 @@ class TensorParallelLayout:
             full = full.index_select(dim, perm)
         full = full.to(device=like.device, dtype=like.dtype)
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-
-
-def _other_axes(mesh: DeviceMesh, tp: DeviceMesh) -> bool:
-    """Whether ``mesh`` (both meshes named) has none of the tensor-parallel mesh's axes."""
-    names, ours = mesh.mesh_dim_names, tp.mesh_dim_names
-    return bool(names and ours) and not set(names) & set(ours)
 
 
 def expand_plan(block: nn.Module, user_plan: dict[str, str]) -> dict[str, str]:

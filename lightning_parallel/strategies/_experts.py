@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.expert_parallel import (
+    EP_AXIS,
     ExpertParallelForward,
     ListExperts,
     find_expert_lists,
@@ -32,9 +33,6 @@ from lightning_parallel.expert_parallel import (
 )
 from lightning_parallel.mesh import DP, ParallelDims
 from lightning_parallel.strategies._optimizers import Replaced
-
-#: the ep axis's name: it is a part of dp (the set-up broadcast along dp leaves its shards alone)
-EP = "dp_ep"
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,7 @@ class ExpertParallel:
         """Split the dp axis of the strategy's mesh into (replicas, ep) (a collective on every rank)."""
         self.mesh = None
         if self.size > 1:
-            self.mesh = mesh._unflatten(DP, (dims.dp // self.size, self.size), ("dp_replicate", EP))
+            self.mesh = mesh._unflatten(DP, (dims.dp // self.size, self.size), ("dp_replicate", EP_AXIS))
 
     def shard(self, module: nn.Module, replace: Callable[[Replaced], None]) -> bool:
         """Shard the experts this rank holds over the ep axis, those not sharded yet: at set-up, after the
@@ -103,22 +101,26 @@ class ExpertParallel:
         for name, experts in found:
             if not isinstance(experts.forward, ExpertParallelForward) and not _on_meta(experts.parameters(False)):
                 before = dict(experts.named_parameters(recurse=False))
-                for n in shard_experts(experts, self.mesh[EP]):
+                for n in shard_experts(experts, self.mesh[EP_AXIS]):
                     replaced.append((before[n], getattr(experts, n), f"{name}.{n}"))
         cut = False
-        for _, mixture, experts in lists:
+        for name, mixture, experts in lists:
             if not isinstance(mixture.__dict__.get("forward"), ListExperts) and not _on_meta(experts.parameters()):
-                shard_expert_list(mixture, experts, self.mesh[EP])  # (the other ranks' experts go to meta)
+                before = dict(experts.named_parameters())
+                shard_expert_list(mixture, experts, self.mesh[EP_AXIS])  # (the other ranks' experts go to meta)
+                prefix = f"{name}.{next(n for n, c in mixture.named_children() if c is experts)}"
+                after = dict(experts.named_parameters())
+                replaced += [(before[n], after[n], f"{prefix}.{n}") for n in before if after[n] is not before[n]]
                 cut = True
-        if replaced:
+        if replaced:  # (a deferred block's: the optimizers hold them; at set-up they are built after)
             replace(replaced)
         params = [
-            p for p in module.parameters() if isinstance(p, DTensor) and EP in (p.device_mesh.mesh_dim_names or ())
+            p for p in module.parameters() if isinstance(p, DTensor) and EP_AXIS in (p.device_mesh.mesh_dim_names or ())
         ]
         params += [p for _, _, experts in lists for p in experts.parameters() if not p.is_meta]
         self.holds_parts = any(isinstance(m.__dict__.get("forward"), ListExperts) for _, m, _ in lists)
         replicas = self.mesh["dp_replicate"].get_group()
-        self.layout = ExpertLayout(params, self.mesh[EP].get_group(), replicas, self.size)
+        self.layout = ExpertLayout(params, self.mesh[EP_AXIS].get_group(), replicas, self.size)
         return bool(replaced) or cut
 
 

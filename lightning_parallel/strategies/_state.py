@@ -235,7 +235,8 @@ class StateMixin(ParallelStrategy):
             if torch.is_tensor(value) and value.is_meta:
                 continue
             if isinstance(value, DTensor):
-                value = layout.to_full(name, value) if layout is not None else value.full_tensor()
+                value = layout.to_full(name, value) if layout is not None else value
+                value = value.full_tensor() if isinstance(value, DTensor) else value  # (experts, FSDP's shards)
             local[name] = value.detach().cpu().clone() if torch.is_tensor(value) else value
         if not sends:
             local = {}
@@ -252,7 +253,7 @@ class StateMixin(ParallelStrategy):
         merged = self._full_local_parameters()
         for group in self._part_groups():
             merged = {k: v for part in _collectives.all_gather_object(merged, group) for k, v in part.items()}
-        return {n: merged[n].to(self.root_device) for n, _ in lm.named_parameters() if n in merged}
+        return {n: merged[n] for n, _ in lm.named_parameters()}
 
     def _part_groups(self) -> list[Any]:
         """The groups whose ranks hold different parts of the model: the ep group where each rank keeps only

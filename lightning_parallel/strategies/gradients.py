@@ -154,7 +154,10 @@ def clip_norm_(
     if plan.experts is not None:
         mine = [torch.linalg.vector_norm(local(p.grad), 2) for p in params if id(p) in experts]
         expert_squares = torch.stack(mine).pow(2).sum() if mine else torch.zeros_like(squares)
-        squares = squares + _collectives.sum_of_squares(expert_squares.to(squares), plan.experts.group)
+        expert_squares = _collectives.sum_of_squares(expert_squares.to(squares), plan.experts.group)
+        if plan.group(PP) is not None:  # each stage's experts (over tp they are whole: counted once)
+            expert_squares = _collectives.sum_of_squares(expert_squares, plan.group(PP))
+        squares = squares + expert_squares
     total = squares.sqrt().to(dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:

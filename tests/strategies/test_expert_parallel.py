@@ -76,30 +76,41 @@ def test_a_home_written_mixture_composes(layout):
     assert_parity("home:moe", strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
 
 
-def _fit_home_mixture(rank, world_size):
+def _fit_and_gather(rank, world_size, model, make):
     from tests.helpers.parity import build
     from tests.helpers.trainers import quick_fit
 
-    module, data = build("home:moe", 4, "adamw")
-    trainer = quick_fit(module, data, HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2), 2)
-    with pytest.raises(RuntimeError, match=r"holds only its expert-parallel rank's experts"):
-        module.state_dict()
+    module, data = build(model, 4, "adamw")
+    trainer = quick_fit(module, data, make(), world_size)
+    if model == "home:moe":
+        with pytest.raises(RuntimeError, match=r"holds only its expert-parallel rank's experts"):
+            module.state_dict()
     whole, gathered = trainer.strategy.full_state_dict(), trainer.strategy.gather_named_parameters()
+    assert not any(isinstance(v, DTensor) for v in [*whole.values(), *gathered.values()])
     return {k: v.cpu() for k, v in whole.items()}, {k: v.cpu() for k, v in gathered.items()}
 
 
-def test_after_a_fit_a_home_written_mixture_is_whole_through_the_strategy_only():
-    """Each rank holds half the experts after the fit: the module's own state_dict() refuses (it would be
-    partial); full_state_dict() gives rank 0 every expert, equal to what gather_named_parameters() gives."""
+@pytest.mark.parametrize(
+    ("model", "world", "make"),
+    [("home:moe", 2, _ep2()),
+     pytest.param(MOE_ROW := "hf:qwen3_moe@batched_mm", 4, lambda: HybridParallelStrategy(
+         tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2), marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_after_a_fit_the_whole_model_comes_through_the_strategy(model, world, make):
+    """After the fit, full_state_dict() gives rank 0 every parameter whole (experts gathered over ep, tp shards
+    gathered), equal to what gather_named_parameters() gives every rank. A home-written mixture keeps half its
+    experts per rank: the module's own state_dict() refuses (it would be partial)."""
     from tests.helpers.distributed import run_distributed
     from tests.helpers.parity import build
 
-    (whole, gathered), (nothing, again) = run_distributed(_fit_home_mixture, 2, init_process_group=False)
-    names = dict(build("home:moe", 4, "adamw")[0].named_parameters()).keys()
-    assert nothing == {} and gathered.keys() == names == again.keys()
+    results = run_distributed(_fit_and_gather, world, model, make, init_process_group=False)
+    names = dict(build(model, 4, "adamw")[0].named_parameters()).keys()
+    whole, gathered = results[0]
+    assert gathered.keys() == names and all(r[0] == {} for r in results[1:])
     for name in names:
         torch.testing.assert_close(whole[name], gathered[name], rtol=0, atol=0)
-        torch.testing.assert_close(again[name], gathered[name], rtol=0, atol=0)
+        for _, again in results[1:]:
+            torch.testing.assert_close(again[name], gathered[name], rtol=0, atol=0)
 
 
 def test_ep2_over_four_replicas_with_clipping_trains_as_one_process():
@@ -125,6 +136,16 @@ def test_ep2_under_a_pipeline_trains_as_one_process(schedule):
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, schedule=schedule
     )
     assert_parity("hf:mixtral@batched_mm#4", strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
+
+
+@pytest.mark.slow
+def test_ep2_under_a_pipeline_with_clipping_trains_as_one_process():
+    """Clipping under pp=2 x ep=2 (SGD, so that a wrong norm shows): each stage's experts count once, their
+    squares summed over the ep group and over the stages."""
+    strategy = lambda: PipelineParallelStrategy(  # noqa: E731
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2
+    )
+    assert_parity("hf:mixtral@batched_mm#4", strategy, 4, data_parallel_size=2, optimizer="sgd", gradient_clip_val=0.05)
 
 
 @pytest.mark.slow

@@ -86,3 +86,27 @@ def test_experts_split_over_two_ranks_compute_what_one_process_does(family, expe
 def test_experts_that_do_not_divide_are_refused_naming_the_numbers():
     with pytest.raises(ConfigurationError, match=r"MixtralExperts has 6 experts, which expert_parallel_size=4 does"):
         check_experts(6, 4, "MixtralExperts")
+
+
+def _one_sided(rank: int, world: int, experts_impl: str) -> None:
+    """Every (token, choice) pair of both ranks goes to experts 0 and 1 (rank 0's): rank 1's experts get no row,
+    and its experts' code returns zeros without history; both ranks must still run the reverse all-to-alls."""
+    import copy
+
+    experts = _moe_block("mixtral", experts_impl).get_submodule("experts")
+    reference = copy.deepcopy(experts)
+    x = _tokens(rank).reshape(-1, 32)
+    index = torch.stack([torch.zeros(len(x), dtype=torch.long), torch.ones(len(x), dtype=torch.long)], 1)
+    weights = torch.rand(len(x), 2, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    want = _run(lambda h: reference(h, index, weights), x)
+    shard_experts(experts, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_ep",)))
+    got = _run(lambda h: experts(h, index, weights), x)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("experts", ["eager", "batched_mm"])
+def test_a_rank_whose_experts_get_no_row_still_joins_the_backward(experts):
+    """(A hang otherwise: the peers wait in the reverse all-to-all the empty rank never runs.)"""
+    pytest.importorskip("transformers")
+    run_distributed(_one_sided, 2, experts, timeout=60)
