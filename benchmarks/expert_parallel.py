@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -86,27 +87,24 @@ class _Timed:
 
     seconds = 0.0
 
-    class _Arrive(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-            _Timed.start = time.perf_counter()
-            return grad
-
-    class _Depart(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-            _Timed.seconds += time.perf_counter() - _Timed.start
-            return grad
-
     start = 0.0
+
+    class _Mark(torch.autograd.Function):
+        """Identity; in the backward, ``arrive`` starts the clock (the gradient reaches the exchange), else it
+        stops it (the gradient leaves)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, arrive: bool) -> torch.Tensor:
+            ctx.arrive = arrive
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            if ctx.arrive:
+                _Timed.start = time.perf_counter()
+            else:
+                _Timed.seconds += time.perf_counter() - _Timed.start
+            return grad, None
 
     @classmethod
     def install(cls) -> None:
@@ -116,7 +114,7 @@ class _Timed:
 
         def all_to_all_rows(x, send, recv, group):  # type: ignore[no-untyped-def]
             t0 = time.perf_counter()
-            out = cls._Arrive.apply(rows(cls._Depart.apply(x), send, recv, group))
+            out = cls._Mark.apply(rows(cls._Mark.apply(x, False), send, recv, group), True)
             cls.seconds += time.perf_counter() - t0
             return out
 

@@ -44,11 +44,11 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives, _p2p, watchdog
 from lightning_parallel import partial as _partial
+from lightning_parallel.anatomy.router_losses import over_the_batch
 from lightning_parallel.blocks import BlockConfig, BlockLayer
 from lightning_parallel.mesh import AXES, DP, SP, TP, ParallelDims, Size, check_size
 from lightning_parallel.pipeline.capture import capture
 from lightning_parallel.recompute import Policy
-from lightning_parallel.router_losses import over_the_batch
 from lightning_parallel.strategies import _failures, _sharding, gradients
 from lightning_parallel.strategies._dp_sharding import DataParallel, DataParallelShardingMixin
 from lightning_parallel.strategies._experts import ExpertParallel
@@ -318,7 +318,7 @@ class HybridParallelStrategy(
     def _token_groups(self) -> list[tuple[Any, bool]]:
         """The groups whose ranks hold other tokens of the batch, and whether their gradients are summed: the
         sequence shards (summed), the replicas (averaged); a mixture's balancing loss is computed over all of
-        them (:mod:`lightning_parallel.router_losses`)."""
+        them (:mod:`lightning_parallel.anatomy.router_losses`)."""
         dims = self.parallel_dims
         groups = [(self._mesh.get_group(SP), True)] if dims.sp > 1 else []
         return groups + ([(self._mesh.get_group(DP), False)] if dims.dp > 1 else [])

@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
+from lightning_parallel.anatomy.router_losses import pipeline_refusal
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.mesh import DP, PP, Size, check_size
@@ -188,14 +189,9 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             raise ValueError(
                 "manual optimization is not supported under pipeline parallelism; use automatic optimization"
             )
-        routed = [n for n, m in lm.named_modules() if getattr(getattr(m, "config", None), "output_router_logits", 0)]
-        if routed:  # (transformers' configs: a mixture's balancing loss from every layer's router logits)
-            raise ConfigurationError(
-                f"{routed[0] or type(lm).__name__} has output_router_logits=True: its load-balancing loss reads every"
-                f" layer's router logits where the loss is computed, but under {self.strategy_name} each stage's"
-                " layers run on their own ranks; set output_router_logits=False in the model's config, or train"
-                " with data, expert, tensor or sequence parallelism"
-            )
+        refusal = pipeline_refusal(lm)  # a mixture's balancing loss from every layer's router logits
+        if refusal is not None:
+            raise ConfigurationError(refusal)
 
     @override
     def _needs_trunk(self) -> bool:

@@ -1,6 +1,6 @@
 """A mixture's load-balancing loss (transformers' ``load_balancing_loss_func``, Switch Transformer's
 ``E · Σ_e f_e · P_e``: a product of two means over the batch's tokens) under every layout that splits the batch's
-tokens over ranks: each rank computes it over every rank's router logits (lightning_parallel/router_losses.py), as
+tokens over ranks: each rank computes it over every rank's router logits (lightning_parallel/anatomy/router_losses.py), as
 one process does (Mixtral, ``output_router_logits=True``, coefficient 0.5 so that a wrong loss shows)."""
 
 from __future__ import annotations

@@ -94,7 +94,6 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 FLOORS: list[tuple[str, set[str]]] = [
     ("wire and mesh", {"errors", "_collectives", "_p2p", "mesh", "watchdog", "rng", "memory"}),
     ("tensors and files", {"block_protocol", "trunk", "partial", "flat_chunks", "offload", "packing", "token_mean",
-                           "router_losses",
                            "chunked_loss", "init_replay", "checkpoint", "export"}),
     ("parallel mechanics", {"ring_attention", "sequence_parallel", "tensor_parallel", "expert_parallel", "mlp_chunks",
                             "lasp", "recompute"}),

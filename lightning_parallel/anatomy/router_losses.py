@@ -1,4 +1,5 @@
-"""The routers' auxiliary losses of transformers' mixtures over the whole batch, as one device computes them.
+"""The routers' auxiliary losses of transformers' mixtures over the whole batch, as one device computes them
+(family knowledge: it lives with the anatomy, where the strategies ask for it).
 
 A load-balancing loss (Switch Transformer, Fedus et al., arXiv 2101.03961, eq. 4; transformers'
 ``load_balancing_loss_func``: ``E · Σ_e f_e · P_e``, ``f_e`` the share of the tokens routed to expert e, ``P_e``
@@ -46,6 +47,21 @@ def over_the_batch(groups: list[tuple[Any, bool]]) -> Iterator[None]:
     finally:
         for module, original in patched:
             setattr(module, _NAME, original)
+
+
+def pipeline_refusal(module: Any) -> str | None:
+    """Why ``module`` cannot train under a pipeline (``None`` if it can): a transformers config with
+    ``output_router_logits=True`` computes its balancing loss from every layer's router logits where the loss is
+    computed, while each stage's layers run on their own ranks."""
+    routed = [n for n, m in module.named_modules() if getattr(getattr(m, "config", None), "output_router_logits", 0)]
+    if not routed:
+        return None
+    return (
+        f"{routed[0] or type(module).__name__} has output_router_logits=True: its load-balancing loss reads every"
+        " layer's router logits where the loss is computed, but under a pipeline each stage's layers run on their"
+        " own ranks; set output_router_logits=False in the model's config, or train with data, expert, tensor or"
+        " sequence parallelism"
+    )
 
 
 def _family(module: Any) -> bool:
@@ -96,4 +112,4 @@ class _GradientOver(torch.autograd.Function):
         return grad / ctx.size, None
 
 
-__all__ = ["over_the_batch"]
+__all__ = ["over_the_batch", "pipeline_refusal"]
