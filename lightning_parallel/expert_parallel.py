@@ -152,8 +152,9 @@ def check_experts(num_experts: int, ep: int, where: str) -> None:
         )
 
 
-#: the expert-parallel mesh axis's name (a part of dp: the set-up broadcast along dp leaves its shards alone)
-EP_AXIS = "dp_ep"
+#: the expert-parallel mesh axis's name (a part of dp x sp: the set-up broadcasts along dp and sp leave its shards
+#: alone) and that of the ranks holding the same experts
+EP_AXIS, REPLICA_AXIS = "dp_sp_ep", "dp_sp_replicate"
 
 #: while a block is traced (:func:`tracing`): each experts module's path in the traced copy, by ``id``
 _TRACED: dict[int, str] = {}
@@ -193,8 +194,9 @@ class ExpertParallelForward:
     """An experts module's call under expert parallelism (module docstring): its class forward runs on the local
     parts of its expert parameters (DTensors sharded by expert over the ep mesh), on the rows sent here."""
 
-    def __init__(self, module: nn.Module, num_experts: int, mesh: DeviceMesh) -> None:
+    def __init__(self, module: nn.Module, num_experts: int, mesh: DeviceMesh, replicas: Any = None) -> None:
         self.module, self.num_experts, self.mesh = module, num_experts, mesh
+        self.replicas = replicas  # the group of the ranks holding the same experts (:func:`over_replicas`)
         self.dense = len(inspect.signature(type(module).forward).parameters) == 2  # (self, rows): see _dense
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -234,7 +236,7 @@ class ExpertParallelForward:
 
     def __deepcopy__(self, memo: dict) -> ExpertParallelForward:
         """A copy of the module (a block's verification copy) calls its own copy's experts."""
-        return ExpertParallelForward(memo.get(id(self.module), self.module), self.num_experts, self.mesh)
+        return ExpertParallelForward(memo.get(id(self.module), self.module), self.num_experts, self.mesh, self.replicas)
 
 
 # ------------------------------------------------------------------------------ a home-written mixture
@@ -271,8 +273,8 @@ class ListExperts:
     """A home-written mixture's forward under expert parallelism (module docstring): its own forward, run to
     record its experts' calls, then again with each call's rows computed on their expert's rank."""
 
-    def __init__(self, module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh) -> None:
-        self.module, self.experts, self.mesh = module, experts, mesh
+    def __init__(self, module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh, replicas: Any = None) -> None:
+        self.module, self.experts, self.mesh, self.replicas = module, experts, mesh, replicas
         self.calls: list[tuple[int, Tensor]] = []
         self.answers: Optional[list[Tensor]] = None  # the second run's (None: the first's)
         self.recording = False
@@ -282,9 +284,14 @@ class ListExperts:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_exporting():
+            if id(self.module) in _TRACED and len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+                # one op of the traced block, run by the mixture at its place (its output shaped as its input:
+                # a mixture added to the residual stream; the block's verification checks it)
+                return experts_call(args[0], None, None, _TRACED[id(self.module)])
             raise Unsupported(
                 f"{type(self.module).__name__} (a home-written mixture under expert parallelism) runs its forward"
-                " twice around one all-to-all, which torch.export cannot trace"
+                " twice around one all-to-all, which torch.export cannot trace; while a block is traced, only a"
+                " mixture called on one tensor is one op"
             )
         own = type(self.module).forward
         device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
@@ -363,25 +370,28 @@ class ListExperts:
 
     def __deepcopy__(self, memo: dict) -> ListExperts:
         """A copy of the mixture (a block's verification copy) answers its own copy's experts."""
-        return ListExperts(memo.get(id(self.module), self.module), memo.get(id(self.experts), self.experts), self.mesh)
+        module, experts = memo.get(id(self.module), self.module), memo.get(id(self.experts), self.experts)
+        return ListExperts(module, experts, self.mesh, self.replicas)
 
 
-def shard_expert_list(module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh) -> None:
+def shard_expert_list(module: nn.Module, experts: nn.ModuleList, mesh: DeviceMesh, replicas: Any = None) -> None:
     """Keep this rank's ``E/ep`` experts of the home-written mixture ``module`` (the others to meta) and make its
-    call dispatch and combine over the 1-D ``mesh`` (:class:`ListExperts`); in place."""
+    call dispatch and combine over the 1-D ``mesh`` (:class:`ListExperts`; ``replicas``: the group of the ranks
+    holding the same experts); in place."""
     ep, rank = mesh.size(), mesh.get_local_rank()
     check_experts(len(experts), ep, type(module).__name__)
     per_rank = len(experts) // ep
     for i, expert in enumerate(experts):
         if not rank * per_rank <= i < (rank + 1) * per_rank:
             expert.to(torch.device("meta"))
-    module.forward = ListExperts(module, experts, mesh)
+    module.forward = ListExperts(module, experts, mesh, replicas)
 
 
-def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
+def shard_experts(module: nn.Module, mesh: DeviceMesh, replicas: Any = None) -> list[str]:
     """Keep this rank's experts of ``module`` (see :func:`find_experts`) as DTensors sharded by expert over the 1-D
     ``mesh`` (no communication: every rank holds the same whole values), and make its call dispatch and combine
-    over it; in place. Returns the names of the parameters sharded."""
+    over it (``replicas``: the group of the ranks holding the same experts); in place. Returns the names of the
+    parameters sharded."""
     total: int = module.num_experts  # type: ignore[assignment]
     ep, rank = mesh.size(), mesh.get_local_rank()
     check_experts(total, ep, type(module).__name__)
@@ -394,12 +404,53 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh) -> list[str]:
         sharded = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride())
         setattr(module, name, nn.Parameter(sharded, requires_grad=whole.requires_grad))
     module.num_experts = per_rank  # what the module's own code loops over: its local experts
-    module.forward = ExpertParallelForward(module, total, mesh)
+    module.forward = ExpertParallelForward(module, total, mesh, replicas)
     return names
+
+
+# ------------------------------------------------------------------------------ a block's verification
+def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter, Any]]:
+    """The expert-parallel parameters this rank holds in ``module`` (a block or its copy), by name, each with the
+    group of the ranks holding the same experts."""
+    out = []
+    for prefix, m in module.named_modules():
+        call = m.__dict__.get("forward")
+        if isinstance(call, ExpertParallelForward):
+            held = [(n, p) for n, p in m.named_parameters(recurse=False) if isinstance(p, DTensor)]
+        elif isinstance(call, ListExperts):
+            held = [(f"{c}.{n}", p) for c, child in m.named_children() if child is call.experts
+                    for n, p in child.named_parameters() if not p.is_meta]  # fmt: skip
+        else:
+            continue
+        out += [(f"{prefix}.{n}" if prefix else n, p, call.replicas) for n, p in held]
+    return out
+
+
+def over_replicas(module: nn.Module, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A block verification's expert gradients, each summed over the ranks holding the same experts (a collective
+    over those groups; the other gradients as they are).
+
+    A verification runs each rank's input through the block and through the composed copy, and the experts of both
+    see every rank of their ep group: an expert's gradient on its rank is its group's tokens'. Under sequence
+    parallelism a replica's sp ranks hold the same whole input, which the block (the reference) runs whole on each
+    and the copy one shard on each; summed over every rank holding the same experts, the block's gradient is sp
+    times the copy's (which :func:`lightning_parallel.anatomy.verify.single_process_gradients` multiplies by sp),
+    whatever ranks the ep groups take."""
+    out = dict(grads)
+    for name, p, replicas in expert_parameters(module):
+        if replicas is None:
+            continue
+        present = _collectives.any_over_group([name in grads], replicas)[0]
+        if present:
+            g = grads[name].clone() if name in grads else torch.zeros_like(p)
+            _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], replicas)
+            out[name] = g
+    return out
 
 
 __all__ = [
     "EP_AXIS",
+    "REPLICA_AXIS",
     "ExpertParallelForward",
     "ListExperts",
     "Routing",
@@ -408,9 +459,11 @@ __all__ = [
     "combine",
     "combine_rows",
     "dispatch",
+    "expert_parameters",
     "experts_call",
     "find_expert_lists",
     "find_experts",
+    "over_replicas",
     "route",
     "shard_expert_list",
     "shard_experts",

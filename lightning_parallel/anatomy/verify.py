@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 from lightning_parallel import _collectives, watchdog
 from lightning_parallel.block_protocol import Shared
 from lightning_parallel.errors import ConfigurationError, VerificationError
+from lightning_parallel.expert_parallel import expert_parameters, over_replicas
 from lightning_parallel.rng import has_dropout
 
 TOLERANCE = dict(rtol=1e-9, atol=1e-10)
@@ -193,12 +194,12 @@ def _compare(block: nn.Module, build: Callable[[nn.Module], tuple[Callable[..., 
              ref_out: Tensor, ref_grad: Tensor, probe: _LowPrecision) -> None:  # fmt: skip
     x64, a64, kw64 = inputs
     tolerance = FLOAT32_TOLERANCE if probe.seen else TOLERANCE
-    ref_params = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    ref_params = over_replicas(reference, {n: p.grad for n, p in reference.named_parameters() if p.grad is not None})
     problems: list[str] = []
     try:
         forward, gradients = build(candidate)
         out, grad = _run(candidate, forward, x64, a64, kw64)
-        params = gradients(candidate)
+        params = over_replicas(candidate, gradients(candidate))
     except ConfigurationError:
         raise
     except Exception as err:  # noqa: BLE001  (any other failure of a candidate is a reason to refuse it)
@@ -248,7 +249,8 @@ def single_process_gradients(module: nn.Module, tp: Any = None, sp: Any = None) 
     shards gathered whole (and un-permuted)."""
     grads: dict[str, Tensor] = {}
     partial_tp = {id(p) for p in (tp.partial if tp else [])}
-    partial_sp = {id(p) for p in (sp.partial if sp else [])}
+    experts = {id(p) for _, p, _ in expert_parameters(module)}  # not summed over sp: its ranks hold other experts
+    partial_sp = {id(p) for p in (sp.partial if sp else []) if id(p) not in experts}
     for name, p in module.named_parameters():
         g = p.grad
         if g is None:
@@ -259,6 +261,8 @@ def single_process_gradients(module: nn.Module, tp: Any = None, sp: Any = None) 
             if id(p) in partial:
                 g = g.clone()
                 _collectives.all_reduce_sum_([g.to_local() if isinstance(g, DTensor) else g], layout.mesh.get_group())
+        if sp is not None and id(p) in experts:  # each sp rank ran one shard, the block the whole (over_replicas)
+            g = g * sp.mesh.size()
         grads[name] = tp.to_full(name, g) if tp is not None else g
     return grads
 

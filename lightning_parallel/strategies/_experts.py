@@ -2,11 +2,14 @@
 the axis from the data-parallel ranks, shards the model's experts at set-up and tells the gradient recipe which
 parameters are experts (:mod:`lightning_parallel.expert_parallel` is the mechanism).
 
-Expert parallelism reuses the data-parallel ranks, as torchtitan does: the dp axis is split into
-``dp / ep`` replicas of ``ep`` ranks each (``DeviceMesh._unflatten``: ``dp_replicate`` x ``dp_ep``, consecutive dp
-ranks in one ep group); each rank of an ep group holds ``num_experts / ep`` experts and computes them for every
-token of its group. An expert's gradient on its rank is then the sum over its group's tokens; the step's mean over
-the replicas is completed by a mean over the ``dp / ep`` ranks holding the same experts and a division by ``ep``
+Expert parallelism reuses the data- and sequence-parallel ranks, as torchtitan does (its ep over ``dp_shard x
+cp``): the ``dp x sp`` ranks of each pipeline stage and tensor-parallel rank, flattened (sp inner: a replica's
+sequence shards adjacent), are split into ``dp·sp / ep`` groups of ``ep`` consecutive ranks (``DeviceMesh._flatten``
+then ``_unflatten``: ``dp_sp_replicate`` x ``dp_sp_ep``); each rank of an ep group holds ``num_experts / ep`` experts
+and computes them for every token of its group (a sequence shard's tokens are routed where they are: no split
+before dispatch). An expert's gradient on its rank is then the sum over its group's tokens, of whichever replicas
+and sequence shards; the step's gradient, a mean over the replicas of each replica's sum over its sequence shards,
+is the sum over the ``dp·sp / ep`` ranks holding the same experts divided by ``dp``
 (:func:`lightning_parallel.strategies.gradients.sync_`), and the norm counts each expert once (its squares summed
 over the ep group).
 """
@@ -24,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.expert_parallel import (
     EP_AXIS,
+    REPLICA_AXIS,
     ExpertParallelForward,
     ListExperts,
     find_expert_lists,
@@ -31,19 +35,22 @@ from lightning_parallel.expert_parallel import (
     shard_expert_list,
     shard_experts,
 )
-from lightning_parallel.mesh import DP, ParallelDims
+from lightning_parallel.mesh import DP, SP, ParallelDims
 from lightning_parallel.strategies._optimizers import Replaced
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     """What the gradient recipe needs: the expert parameters, the ep group (their squares sum over it in the norm),
-    the group of the ranks holding the same experts (their gradients' mean) and ep."""
+    the group of the ranks holding the same experts (their gradients' sum), ep, the dp size (the sum's divisor) and
+    this rank's place in the flattened ``dp x sp`` ranks (``rank < ep``: the first ep group)."""
 
     params: list[nn.Parameter]
     group: Any
     replicas: Any
     size: int
+    dp: int
+    rank: int
 
 
 class ExpertParallel:
@@ -53,7 +60,8 @@ class ExpertParallel:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"expert_parallel_size must be a positive int, got {size!r}")
         self.size = size
-        self.mesh: Optional[DeviceMesh] = None  # the 2-D (dp_replicate, dp_ep) mesh, made with the strategy's
+        self.mesh: Optional[DeviceMesh] = None  # the 2-D (dp_sp_replicate, dp_sp_ep) mesh, made with the strategy's
+        self.dims: Optional[ParallelDims] = None
         self.layout: Optional[ExpertLayout] = None
         self.holds_parts = False  # each rank keeps only its experts of a home-written mixture (the rest on meta)
 
@@ -61,25 +69,25 @@ class ExpertParallel:
         """Refuse a layout the axis cannot take, before any process starts."""
         if self.size == 1:
             return
-        if dims.dp % self.size:
+        if (dims.dp * dims.sp) % self.size:
             raise ValueError(
-                f"expert_parallel_size={self.size} must divide data_parallel_size={dims.dp}: expert parallelism"
-                f" reuses the data-parallel ranks; give data_parallel_size a multiple of {self.size}"
+                f"expert_parallel_size={self.size} must divide data_parallel_size={dims.dp} x sequence_parallel_size"
+                f"={dims.sp} = {dims.dp * dims.sp}: expert parallelism reuses the data- and sequence-parallel ranks;"
+                f" give their product a multiple of {self.size}"
             )
-        composed = [f"sequence_parallel_size={dims.sp}"] if dims.sp > 1 else []
         if sharding != "none":
-            composed.append(f"data_parallel_sharding={sharding!r}")
-        if composed:
             raise ConfigurationError(
-                f"strategy={strategy!r} with expert_parallel_size={self.size} and {', '.join(composed)} is not"
-                " supported yet: drop those arguments or expert_parallel_size"
+                f"strategy={strategy!r} with expert_parallel_size={self.size} and data_parallel_sharding="
+                f"{sharding!r} is not supported yet: drop one of the two arguments"
             )
 
     def connect(self, mesh: DeviceMesh, dims: ParallelDims) -> None:
-        """Split the dp axis of the strategy's mesh into (replicas, ep) (a collective on every rank)."""
-        self.mesh = None
+        """Split the flattened dp x sp ranks of the strategy's mesh into (replicas, ep) (a collective on every
+        rank)."""
+        self.mesh, self.dims = None, dims
         if self.size > 1:
-            self.mesh = mesh._unflatten(DP, (dims.dp // self.size, self.size), ("dp_replicate", EP_AXIS))
+            flat = mesh[DP, SP]._flatten(f"{DP}_{SP}")
+            self.mesh = flat._unflatten(0, (dims.dp * dims.sp // self.size, self.size), (REPLICA_AXIS, EP_AXIS))
 
     def shard(self, module: nn.Module, replace: Callable[[Replaced], None]) -> bool:
         """Shard the experts this rank holds over the ep axis, those not sharded yet: at set-up, after the
@@ -101,13 +109,14 @@ class ExpertParallel:
         for name, experts in found:
             if not isinstance(experts.forward, ExpertParallelForward) and not _on_meta(experts.parameters(False)):
                 before = dict(experts.named_parameters(recurse=False))
-                for n in shard_experts(experts, self.mesh[EP_AXIS]):
+                for n in shard_experts(experts, self.mesh[EP_AXIS], self.mesh[REPLICA_AXIS].get_group()):
                     replaced.append((before[n], getattr(experts, n), f"{name}.{n}"))
         cut = False
         for name, mixture, experts in lists:
             if not isinstance(mixture.__dict__.get("forward"), ListExperts) and not _on_meta(experts.parameters()):
                 before = dict(experts.named_parameters())
-                shard_expert_list(mixture, experts, self.mesh[EP_AXIS])  # (the other ranks' experts go to meta)
+                # (the other ranks' experts go to meta)
+                shard_expert_list(mixture, experts, self.mesh[EP_AXIS], self.mesh[REPLICA_AXIS].get_group())
                 prefix = f"{name}.{next(n for n, c in mixture.named_children() if c is experts)}"
                 after = dict(experts.named_parameters())
                 replaced += [(before[n], after[n], f"{prefix}.{n}") for n in before if after[n] is not before[n]]
@@ -119,8 +128,10 @@ class ExpertParallel:
         ]
         params += [p for _, _, experts in lists for p in experts.parameters() if not p.is_meta]
         self.holds_parts = any(isinstance(m.__dict__.get("forward"), ListExperts) for _, m, _ in lists)
-        replicas = self.mesh["dp_replicate"].get_group()
-        self.layout = ExpertLayout(params, self.mesh[EP_AXIS].get_group(), replicas, self.size)
+        assert self.dims is not None
+        replicas, rank = self.mesh[REPLICA_AXIS].get_group(), self.mesh[REPLICA_AXIS].get_local_rank() * self.size
+        rank += self.mesh[EP_AXIS].get_local_rank()
+        self.layout = ExpertLayout(params, self.mesh[EP_AXIS].get_group(), replicas, self.size, self.dims.dp, rank)
         return bool(replaced) or cut
 
 

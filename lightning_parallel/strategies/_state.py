@@ -227,9 +227,10 @@ class StateMixin(ParallelStrategy):
             state = lm.state_dict()
         # one copy of each tensor is sent: from the ranks at dp, sp and tp coordinate 0 (every stage has one);
         # where each rank of an ep group holds its own experts, from every rank of the first group
-        coordinate = getattr(self, "coordinate", {})
-        sends = all(coordinate.get(axis, 0) == 0 for axis in ("sp", "tp"))
-        sends &= coordinate.get("dp", 0) < (self._experts.size if self._experts.holds_parts else 1)
+        coordinate, experts = getattr(self, "coordinate", {}), self._experts.layout
+        sends = all(coordinate.get(axis, 0) == 0 for axis in ("dp", "sp"))
+        sends |= self._experts.holds_parts and experts is not None and experts.rank < experts.size
+        sends &= coordinate.get("tp", 0) == 0
         local = {}
         for name, value in state.items():
             if torch.is_tensor(value) and value.is_meta:

@@ -5,7 +5,8 @@ that several stages run (a tied embedding and head), a tensor-parallel rank's pa
 parameter that saw its heads only, a sequence-parallel rank's sum over its tokens only, a replica's mean over its
 samples only. :func:`sync_` joins them in one order, pp -> tp -> sp -> dp; every sum commutes with the dp mean, so
 the dp means the backward's buckets already issued (:mod:`lightning_parallel.strategies._overlap`) are finished
-first and the rest follow. :func:`clip_norm_` is ``torch.nn.utils.clip_grad_norm_`` over the whole model with each
+first and the rest follow (expert parallelism's experts: over the ranks holding the same experts instead of sp and
+dp). :func:`clip_norm_` is ``torch.nn.utils.clip_grad_norm_`` over the whole model with each
 element counted on exactly one rank (:func:`counts_in_norm`). A :class:`GradientPlan` built at set-up says which
 groups this rank reduces over and how data parallelism holds the gradients (docs/design.md, "Gradients").
 
@@ -84,25 +85,27 @@ def sync_(optimizer: Optimizer, plan: GradientPlan, step: StepGradients) -> Opti
         plan.outer.reduce_shards()
         _sum_used_([p for p in plan.outer.whole() if id(p) in mine], plan.group(PP), mean=False)
     # 2. tp: a replicated block parameter read by this rank's heads only (or its sequence shard) holds a partial sum
-    # 3. sp: a block parameter saw this rank's tokens only
+    # 3. sp: a block parameter saw this rank's tokens only (an expert: its ep group's, below)
+    experts = plan.expert_ids()
     for axis in (TP, SP):
         layout = getattr(plan.layouts, axis, None)
         if layout is not None and layout.partial:
-            grads = [local(p.grad) for p in layout.partial if id(p) in mine and p.grad is not None]
+            grads = [local(p.grad) for p in layout.partial if id(p) in mine and p.grad is not None
+                     and (axis == TP or id(p) not in experts)]  # fmt: skip
             _collectives.all_reduce_sum_(grads, plan.group(axis))
-    # 4. dp: the mean over the replicas, as each data-parallel mode holds the gradients; an expert's gradient sums
-    # its ep group's tokens already: the mean over the ranks holding the same experts, divided by ep
+    # 4. an expert's gradient sums its ep group's tokens (of replicas and sequence shards): the sum over the ranks
+    # holding the same experts is every replica's, divided by dp their mean
+    if experts:
+        assert plan.experts is not None
+        _sum_used_([p for p in params if id(p) in experts], plan.experts.replicas, mean=False)
+        for p in params:
+            if id(p) in experts and p.grad is not None:
+                local(p.grad).div_(plan.experts.dp)
+        params = [p for p in params if id(p) not in experts]
+    # 5. dp: the mean over the replicas, as each data-parallel mode holds the gradients
     group = plan.group(DP)
     if group is None:
         return None
-    experts = plan.expert_ids()
-    if experts:
-        assert plan.experts is not None
-        _sum_used_([p for p in params if id(p) in experts], plan.experts.replicas, mean=True)
-        for p in params:
-            if id(p) in experts and p.grad is not None:
-                local(p.grad).div_(plan.experts.size)
-        params = [p for p in params if id(p) not in experts]
     if plan.dp_mode == "optimizer":  # reduce-scattered: each rank keeps the mean of its chunk
         assert step.shards is not None
         return step.shards.reduce_scatter_gradients_()
@@ -187,10 +190,10 @@ def norms(
     inf = norm_type == float("inf")
     mine: dict[str, float] = {}
     experts = plan.expert_ids()
-    ep = plan.experts.size if plan.experts is not None else 1
-    if plan.coordinate[DP] < ep and plan.coordinate[SP] == 0:  # replicas and sp ranks hold the same gradients
+    first = plan.coordinate[DP] == 0 and plan.coordinate[SP] == 0  # replicas and sp ranks hold the same gradients
+    if first or (plan.experts is not None and plan.experts.rank < plan.experts.size):
         for name, p in module.named_parameters():  # (each rank of the first ep group holds its own experts)
-            if plan.coordinate[DP] > 0 and id(p) not in experts:
+            if not first and id(p) not in experts:
                 continue
             if p.grad is not None and counts_in_norm(plan, p):
                 g = local(p.grad).detach().double()

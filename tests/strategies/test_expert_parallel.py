@@ -76,6 +76,23 @@ def test_a_home_written_mixture_composes(layout):
     assert_parity("home:moe", strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2dp2", "helix2dp2"])
+def test_a_home_written_mixture_under_tensor_parallelism_or_helix(layout):
+    """While its block is traced (tensor parallelism's plan, HelixPipe's cut) the mixture is one op, run by the
+    mixture at its place in the traced program; under helix with its MLP whole (mlp_chunks=1: a chunked MLP
+    needs the MLP's projections in the graph, which the op hides)."""
+    if layout == "tp2dp2":
+        make = lambda: HybridParallelStrategy(  # noqa: E731
+            tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=2
+        )
+    else:
+        make = lambda: HelixParallelStrategy(  # noqa: E731
+            pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, mlp_chunks=1
+        )
+    assert_parity("home:moe", make, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
+
+
 def _fit_and_gather(rank, world_size, model, make):
     from tests.helpers.parity import build
     from tests.helpers.trainers import quick_fit
@@ -119,9 +136,49 @@ def test_ep2_over_four_replicas_with_clipping_trains_as_one_process():
     assert_parity("hf:mixtral@batched_mm", _ep2(4), 4, data_parallel_size=4, optimizer="sgd", gradient_clip_val=0.05)
 
 
-def test_ep_must_divide_the_data_parallel_ranks():
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2 must divide data_parallel_size=3"):
+def test_ep_must_divide_the_data_and_sequence_parallel_ranks():
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 must divide data_parallel_size=3 x sequence_"
+                       r"parallel_size=1 = 3"):  # fmt: skip
         L.Trainer(accelerator="cpu", devices=3, strategy=HybridParallelStrategy(expert_parallel_size=2))
+    strategy = HybridParallelStrategy(data_parallel_size=1, sequence_parallel_size=2, expert_parallel_size=4)
+    with pytest.raises(ValueError, match=r"data_parallel_size=1 x sequence_parallel_size=2 = 2: .* multiple of 4"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
+
+
+# ------------------------------------------------------------------------------ over sequence-parallel ranks
+def _sp(sp: int = 2, dp: int = 1, ep: int = 2, make: object = HybridParallelStrategy, **kw: object) -> object:
+    return lambda: make(sequence_parallel_size=sp, data_parallel_size=dp, expert_parallel_size=ep, **kw)
+
+
+@pytest.mark.parametrize(
+    ("model", "mode"),
+    [("hf:mixtral@batched_mm", "ring"), pytest.param("hf:mixtral@batched_mm", "ulysses", marks=pytest.mark.slow),
+     pytest.param("hf:qwen3_moe@batched_mm", "ring", marks=pytest.mark.slow),
+     ("home:moe", "ulysses")],  # the mixture one op of the traced block (its two-run forward runs there)
+)  # fmt: skip
+def test_ep2_over_the_sequence_parallel_ranks_trains_as_one_process(model, mode):
+    """sp=2 (ring attention or Ulysses), ep=2 over the two sequence shards of one replica: each shard's tokens are
+    routed where they are, to either rank's experts; an expert's gradient sums both shards' tokens (not summed
+    over sp again: the sp ranks hold other experts)."""
+    make = _sp(sequence_parallel_mode=mode)
+    assert_parity(model, make, 2, data_parallel_size=1, callbacks=lambda: [_HoldsItsExperts()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2sp2ep2", "dp2sp2ep4", "pp2sp2ep2", "helix2sp2ep2"])
+def test_ep_over_sequence_and_data_parallel_ranks_trains_as_one_process(layout):
+    """ep inside each replica's sp ranks (dp=2 x sp=2, ep=2), ep across replicas and sequence shards (ep=4, with
+    clipping: SGD, a wrong norm would show), and with the pipeline and HelixPipe (each stage's sp ranks)."""
+    model, holds = "hf:mixtral@batched_mm", lambda: [_HoldsItsExperts()]
+    if layout == "dp2sp2ep2":
+        assert_parity(model, _sp(dp=2), 4, data_parallel_size=2, callbacks=holds)
+    elif layout == "dp2sp2ep4":
+        make = _sp(dp=2, ep=4)
+        assert_parity(model, make, 4, data_parallel_size=2, optimizer="sgd", gradient_clip_val=0.05)
+    else:
+        make = _sp(make=PipelineParallelStrategy if layout == "pp2sp2ep2" else HelixParallelStrategy,
+                   pipeline_parallel_size=2)  # fmt: skip
+        assert_parity(model, make, 4, data_parallel_size=1, callbacks=holds)
 
 
 # ------------------------------------------------------------------------------ composed with the other axes
@@ -188,14 +245,13 @@ def test_experts_of_a_model_built_in_configure_model_are_sharded_as_their_blocks
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(data_parallel_size=2, sequence_parallel_size=2), r"and sequence_parallel_size=2 is not supported yet"),
-     (dict(data_parallel_size=2, data_parallel_sharding="optimizer"),
+    [(dict(data_parallel_size=2, data_parallel_sharding="optimizer"),
       r"and data_parallel_sharding='optimizer' is not supported yet")],
 )  # fmt: skip
 def test_what_ep_does_not_compose_with_yet_is_refused(kwargs, message):
     strategy = HybridParallelStrategy(expert_parallel_size=2, **kwargs)
     with pytest.raises(ConfigurationError, match=message):
-        L.Trainer(accelerator="cpu", devices=4 if "sequence_parallel_size" in kwargs else 2, strategy=strategy)
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
 
 
 @pytest.mark.slow
@@ -245,10 +301,10 @@ def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2"])
+@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2"])
 def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout):
-    """Saved under pipeline or tensor parallelism with ep=2, the checkpoint equals dp=2's (each expert once,
-    whole, with its AdamW state)."""
+    """Saved under pipeline, tensor or sequence parallelism with ep=2, the checkpoint equals dp=2's (each expert
+    once, whole, with its AdamW state)."""
     from lightning_parallel.checkpoint import load_sharded
     from tests.strategies.test_checkpoints import _assert_close, _run
 
@@ -263,7 +319,7 @@ def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout
 @pytest.mark.parametrize(
     ("layout", "model"),
     [("dp2ep2", MOE), pytest.param("dp2ep2", "home:moe", marks=pytest.mark.slow),
-     pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow)],
+     pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow), pytest.param("sp2ep2", MOE, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout, model):
     from tests.strategies.test_checkpoints import _assert_close, _run
@@ -278,13 +334,14 @@ def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout, m
 
 
 # ------------------------------------------------------------------------------------------ grad_norm
-def _norms(rank, world, ep, norm_type):
+def _norms(rank, world, ep, norm_type, sp=1):
     from tests.helpers.parity import PRECISION, _OneReplicaSampler, build
     from tests.strategies.test_grad_norm import Norms
 
-    module, data = build(MOE, 8 // world, "sgd")
+    module, data = build(MOE, 8 // (world // sp), "sgd")
     norms = Norms(norm_type)
-    strategy = HybridParallelStrategy(data_parallel_size=world, expert_parallel_size=ep) if ep else "auto"
+    layout = dict(data_parallel_size=world // sp, sequence_parallel_size=sp, expert_parallel_size=ep)
+    strategy = HybridParallelStrategy(**layout) if ep else "auto"
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=2, precision=PRECISION["float64"],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -294,14 +351,14 @@ def _norms(rank, world, ep, norm_type):
     return norms.seen
 
 
-@pytest.mark.parametrize("norm_type", [2, "inf"])
-def test_grad_norm_counts_every_expert_once(norm_type):
-    """``strategy.grad_norm`` at ep=2 is one device's ``grad_norm``: each expert module's norm combines its ranks'
-    experts, the total counts each once."""
+@pytest.mark.parametrize(("norm_type", "sp"), [(2, 1), ("inf", 1), (2, 2)])
+def test_grad_norm_counts_every_expert_once(norm_type, sp):
+    """``strategy.grad_norm`` at ep=2 (over two replicas, or two sequence shards) is one device's ``grad_norm``:
+    each expert module's norm combines its ranks' experts, the total counts each once."""
     from tests.helpers.distributed import run_distributed
 
     want = _norms(0, 1, 0, norm_type)
-    for got in run_distributed(_norms, 2, 2, norm_type, init_process_group=False):
+    for got in run_distributed(_norms, 2, 2, norm_type, sp, init_process_group=False):
         assert len(got) == len(want) == 2
         for g, w in zip(got, want):
             assert g.keys() == w.keys() and any("experts" in k for k in w)

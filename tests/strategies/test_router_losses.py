@@ -27,11 +27,12 @@ def test_over_data_parallel_replicas_with_and_without_expert_parallelism(ep):
 @pytest.mark.parametrize(
     "kwargs",
     [dict(sequence_parallel_size=2), dict(tensor_parallel_size=2),
-     pytest.param(dict(sequence_parallel_size=2, data_parallel_size=2), marks=pytest.mark.slow)],
+     pytest.param(dict(sequence_parallel_size=2, data_parallel_size=2), marks=pytest.mark.slow),
+     pytest.param(dict(sequence_parallel_size=2, data_parallel_size=2, expert_parallel_size=4), marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_over_sequence_shards_and_under_tensor_parallelism(kwargs):
-    """Sequence shards (their gradients summed: a shard's logits count once) and tensor parallelism (the blocks'
-    verification copies no longer add their router logits to the model's): float32, SGD (Mixtral's norms compute in
+    """Sequence shards (their gradients summed: a shard's logits count once; also with ep over replicas and shards)
+    and tensor parallelism (the blocks' verification copies no longer add their router logits to the model's): float32, SGD (Mixtral's norms compute in
     float32, so these layouts are float32-exact without the loss too)."""
     world = 4 if kwargs.get("data_parallel_size") else 2
     dp = kwargs.get("data_parallel_size", 1)
