@@ -6,7 +6,7 @@
 ranks, :mod:`lightning_parallel.plan.output` writes the LightningCLI YAML of a plan and draws it.
 """
 
-from lightning_parallel.plan.costs import BlockCosts, HelixCosts, combine
+from lightning_parallel.plan.costs import BlockCosts, ExpertCosts, HelixCosts, combine
 from lightning_parallel.plan.hardware import GPUS, LINKS, Gpu, Link, published_costs
 from lightning_parallel.plan.predict import Layout, Prediction, Problem, candidates, predict
 from lightning_parallel.plan.profile import profile
@@ -15,6 +15,7 @@ __all__ = [
     "GPUS",
     "LINKS",
     "BlockCosts",
+    "ExpertCosts",
     "HelixCosts",
     "Gpu",
     "Layout",

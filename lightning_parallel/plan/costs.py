@@ -84,6 +84,15 @@ class HelixCosts:
     post_kept: Fit
 
 
+@dataclass(frozen=True)
+class ExpertCosts:
+    """A block's mixture of experts: what expert parallelism shards and what its all-to-alls move."""
+
+    parameter_bytes: int  # the routed experts' parameters (part of the block's), at the profile's dtype
+    num_experts: int
+    rows_per_token: float  # rows each token sends to experts (top-k; dense experts: every expert)
+
+
 @dataclass
 class BlockCosts:
     """A model's fitted costs per trunk block and per micro-batch sequence (``profile``'s result)."""
@@ -113,6 +122,7 @@ class BlockCosts:
     replicated: float = 0.0
     """Of the activations a block keeps, the share in tensors of the hidden width (norms' outputs, residuals):
     tensor parallelism keeps those whole on every rank and divides the rest (heads, the MLP's width)."""
+    experts: ExpertCosts | None = None  # a mixture of experts in the block (expert parallelism's layouts)
 
     def kept_per_rank(self, nbytes: float, tp: int, sp: int) -> float:
         """A block's (or part's) kept bytes on one rank of ``tp`` x ``sp``: the hidden-width share whole over tp."""
@@ -135,7 +145,7 @@ def combine(runs: list[BlockCosts]) -> BlockCosts:
     samples = [_median_sample([run.samples[i] for run in runs]) for i in range(len(first.samples))]
     return fitted(samples, num_blocks=first.num_blocks, block_parameter_bytes=first.block_parameter_bytes,
                    outer_parameter_bytes=first.outer_parameter_bytes, helix_refused=first.helix_refused,
-                   micro_batch=first.micro_batch)  # fmt: skip
+                   micro_batch=first.micro_batch, experts=first.experts)  # fmt: skip
 
 
 def _median_sample(samples: list[Sample]) -> Sample:

@@ -46,7 +46,7 @@ def strategy_config(layout: Layout) -> dict[str, Any]:
     else:
         args, cls = {"recompute": layout.recompute}, "HybridParallelStrategy"
     for name, size in (("data_parallel_size", layout.dp), ("tensor_parallel_size", layout.tp),
-                       ("sequence_parallel_size", layout.sp)):  # fmt: skip
+                       ("sequence_parallel_size", layout.sp), ("expert_parallel_size", layout.ep)):  # fmt: skip
         if size > 1:
             args[name] = size
     if layout.sharding != "none":

@@ -3,8 +3,9 @@ virtual clock with the model's measured (or published) costs and a link model.
 
 A :class:`Layout` names what a strategy takes: dp, pp, tp, sp sizes, the schedule (``gpipe``, ``1f1b``,
 ``interleaved_1f1b``, ``zb_h1``, ``zbv``, or ``helix`` with 1 or 2 folds), the micro-batch count, the
-recomputation policy and the data-parallel sharding (``"full"``: FSDP2). Per action (``Action.kind`` of the
-same schedules the runtime executes):
+recomputation policy, the data-parallel sharding (``"full"``: FSDP2) and, for a mixture of experts, the
+expert-parallel size ep (over the dp x sp ranks). Per action (``Action.kind`` of the same schedules the runtime
+executes):
 
 - chunk actions: the chunk's blocks (``place_blocks``, the strategy's placement) times the per-block
   cost of the action (``F``, ``B``, ``I``, ``W`` under the policy, as measured) at the micro-batch's
@@ -15,6 +16,10 @@ same schedules the runtime executes):
   to another stage (a copy); under tp x sp each part's work divided by tp x sp, tp's all-reduces in the
   param chunks (attention has none), sp's all-to-alls in the attention actions, a message's q, k, v and
   attention output divided by tp x sp and its residual by sp;
+- ep: each block's forward sends each token's rows to its experts' ranks and back (two all-to-alls of the
+  rows, ``rows_per_token`` hidden states per token of this rank's micro-batch shard), its backward the same
+  (in ``B``, ``I``; helix: in the post-attention parts, where the MLP runs); the experts' compute is the same per
+  rank on average (``E/ep`` experts over ``ep`` ranks' tokens);
 - ``"full"`` sharding: each block's parameters all-gathered over dp before its forward and its backward, its
   gradients reduce-scattered after its backward (FSDP2), instead of the step's gradient all-reduce;
 - a message to another stage (hidden state; q, k, v and the residual for helix) costs the link's time
@@ -22,8 +27,9 @@ same schedules the runtime executes):
   the consumer otherwise (``Link.arrival``); a dependency on the same stage costs nothing.
 
 Step time = the simulated makespan + the gradient all-reduce over dp (after the schedule, as the
-strategies run it). Memory per stage = parameters, gradients and optimizer state of what the stage
-holds (blocks of its chunks by the real placement functions; the pre/post-trunk parameters as 1/pp
+strategies run it; the experts' over the ``dp·sp/ep`` ranks holding the same experts). Memory per stage =
+parameters, gradients and optimizer state of what the stage holds (blocks of its chunks by the real placement
+functions, a block's experts 1/ep and whole over tp, the rest 1/tp; the pre/post-trunk parameters as 1/pp
 shards plus, whole, where they run, or, vocabulary-parallel under tp, 1/tp on every stage; all of it 1/dp
 under ``"full"``, except the vocabulary-parallel part under a pipeline, plus one block whole while it runs)
 + the simulated peak of what the step holds: each forward adds what
@@ -71,6 +77,7 @@ class Layout:
     recompute: str = "none"
     folds: int = 1  # helix only
     sharding: str = "none"  # data_parallel_sharding: "none" or "full" (FSDP2 over dp)
+    ep: int = 1  # expert_parallel_size (over the dp x sp ranks)
 
     @property
     def devices(self) -> int:
@@ -83,6 +90,7 @@ class Layout:
     def name(self) -> str:
         sched = f"helix f{self.folds}" if self.schedule == "helix" else self.schedule
         full = " full" if self.sharding == "full" else ""
+        full += f" ep{self.ep}" if self.ep > 1 else ""
         return f"dp{self.dp}{full} pp{self.pp} tp{self.tp} sp{self.sp} {sched} m{self.microbatches} rc={self.recompute}"
 
 
@@ -136,6 +144,14 @@ def check(problem: Problem, layout: Layout) -> str | None:
         return "interleaved needs m % pp == 0"
     if layout.pp == 1 and layout.schedule != "1f1b":
         return "one stage: no schedule to choose"
+    if layout.ep > 1:
+        experts = problem.costs.experts
+        if experts is None:
+            return "expert parallelism needs a mixture of experts in the block (none found)"
+        if (layout.dp * layout.sp) % layout.ep or experts.num_experts % layout.ep:
+            return f"ep {layout.ep} must divide dp x sp = {layout.dp * layout.sp} and {experts.num_experts} experts"
+        if layout.sharding != "none":
+            return "expert parallelism with data_parallel_sharding is refused"
     return None
 
 
@@ -150,7 +166,7 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
     hb = c.hidden_bytes(t) * samples  # one micro-batch's hidden state, whole sequence
     tp_comm = 2 * link.all_reduce(hb / layout.sp, layout.tp)  # two per block and direction (Megatron)
     sp_comm = 4 * link.all_gather(hb / layout.tp, layout.sp)  # q, k, v and the output (Ulysses)
-    comm = tp_comm + sp_comm
+    comm = tp_comm + sp_comm + (ep_comm := expert_exchange(problem, layout, hb))
     policy = c.policy(layout.recompute)
     per_block = lambda costs: samples * costs[policy](t) / shard  # noqa: E731
     gather = link.all_gather(block_bytes(problem, layout), layout.dp) if layout.sharding == "full" else 0.0
@@ -163,7 +179,7 @@ def predict(problem: Problem, layout: Layout) -> Prediction:
     kept = c.kept_per_rank(samples * c.kept[policy](t), layout.tp, layout.sp)
     head_f, head_b = samples * c.head_forward(t) / layout.tp, samples * c.head_backward(t) / layout.tp
     if layout.schedule == "helix":
-        return _predict_helix(problem, layout, samples, t, hb, (tp_comm, sp_comm), kept)
+        return _predict_helix(problem, layout, samples, t, hb, (tp_comm, sp_comm, ep_comm), kept)
     p, v = layout.pp, layout.virtual
     sizes = _blocks_per_chunk(layout, c.num_blocks) if p > 1 else [c.num_blocks]
     last = len(sizes) - 1
@@ -232,7 +248,8 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
     recompute = layout.recompute != "none"
     head_f, head_b = samples * c.head_forward(t) / layout.tp, samples * c.head_backward(t) / layout.tp
     capture = samples * c.capture(t)
-    tp_comm, sp_comm = comms  # tp's all-reduces in the param chunks, sp's all-to-alls around attention
+    tp_comm, sp_comm, ep_comm = comms  # tp's all-reduces in the param chunks, sp's all-to-alls around attention
+    post_comm = ep_comm  # the experts' exchange, where the MLP runs
     # the two messages of a layer (and their gradients): q, k, v or the attention output on this rank's heads
     # and tokens, the residual (the state post needs, a hidden state) on its tokens
     qkv, out = (samples * fn(t) - hb for fn in (h.qkv_bytes, h.out_bytes))
@@ -262,10 +279,10 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
             return att + sp_comm + moved(a)
         if a.kind == "BA":
             return att_g + sp_comm + moved(a)
-        parts_f = (pre if j < L else 0.0) + (post if j > 0 else 0.0) + (head_f if j == L else 0.0)
+        parts_f = (pre if j < L else 0.0) + (post + post_comm if j > 0 else 0.0) + (head_f if j == L else 0.0)
         if a.kind == "FP":  # the stage's first action of the micro-batch (j < p) captures it
             return parts_f + tp_comm + moved(a) + (capture if j < p else 0.0)
-        parts_b = (pre_g if j < L else 0.0) + (post_g if j > 0 else 0.0) + (head_b if j == L else 0.0)
+        parts_b = (pre_g if j < L else 0.0) + (post_g + post_comm if j > 0 else 0.0) + (head_b if j == L else 0.0)
         again = parts_f + tp_comm if recompute and j > 0 else 0.0  # the chunk's forward recomputed
         return parts_b + again + tp_comm + moved(a)
 
@@ -312,9 +329,28 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
 
 def block_bytes(problem: Problem, layout: Layout) -> float:
     """One block's parameter bytes on a rank (as stored: the profile's dtype scaled to ``parameter_bytes``),
-    its tensor-parallel shard."""
+    its tensor-parallel shard; under ep its experts' 1/ep share, whole over tp."""
     c = problem.costs
-    return c.block_parameter_bytes * problem.parameter_bytes / c.dtype_bytes / layout.tp
+    scale = problem.parameter_bytes / c.dtype_bytes
+    experts = expert_bytes(problem, layout) if layout.ep > 1 else 0.0
+    return (c.block_parameter_bytes * scale - experts * layout.ep) / layout.tp + experts
+
+
+def expert_bytes(problem: Problem, layout: Layout) -> float:
+    """One block's experts' parameter bytes on a rank under ep (as stored), 0 without a mixture."""
+    experts = problem.costs.experts
+    if experts is None:
+        return 0.0
+    return experts.parameter_bytes * problem.parameter_bytes / problem.costs.dtype_bytes / layout.ep
+
+
+def expert_exchange(problem: Problem, layout: Layout, hb: float) -> float:
+    """Seconds of one block's two all-to-alls (dispatch and combine) per direction under ep: this rank's rows,
+    ``rows_per_token`` hidden states per token of its micro-batch shard (``hb``: the micro-batch's hidden state)."""
+    experts = problem.costs.experts
+    if layout.ep == 1 or experts is None:
+        return 0.0
+    return 2 * problem.link.all_gather(experts.rows_per_token * hb / layout.sp, layout.ep)
 
 
 def _captures(schedule: Schedule, nbytes: Callable[[int], float]) -> Callable[[Action], float]:
@@ -353,7 +389,9 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
     # a block's backward temporaries (about its activations) on top of the other micro-batches' activations held
     # meanwhile; with one micro-batch the backward frees the activations it consumes as fast (measured: dp=2 full)
     transient = c.kept_per_rank(samples * c.kept["none"](t), layout.tp, layout.sp) if layout.microbatches > 1 else 0.0
+    expert_grads = {}  # the experts' gradients: reduced over the ranks holding the same experts, not dp
     for s in range(p):
+        expert_grads[s] = blocks_on[s] * expert_bytes(problem, layout) if layout.ep > 1 else 0.0
         whole = outer / layout.tp if s in outer_on[s] else 0.0  # gathered where it runs, with its gradient
         grads[s] = blocks_on[s] * block / blocks_div + whole
         gathered = 2 * block if full else 0.0  # one block whole (per tp) while it runs, and its gradient
@@ -366,13 +404,18 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
     elif full:  # the vocabulary-parallel part stays whole over dp: its gradient is all-reduced
         allreduce = link.all_reduce(outer / layout.tp, layout.dp)
     else:
-        allreduce = max(link.all_reduce(g, layout.dp) for g in grads.values())
+        replicas = layout.dp * layout.sp // layout.ep
+        allreduce = max(link.all_reduce(g - expert_grads[s], layout.dp) + link.all_reduce(expert_grads[s], replicas)
+                        for s, g in grads.items())  # fmt: skip
     m = layout.microbatches
     messages = 2 * m * hb * (layout.virtual if layout.schedule != "helix" else 6 * c.num_blocks / p)
     comm_bytes = messages + 2 * max(grads.values()) * (layout.dp > 1)
     if full:  # each block gathered twice and its gradient reduce-scattered
         comm_bytes += 3 * max(blocks_on.values()) * block * (layout.dp - 1) / layout.dp
     comm_bytes += m * c.num_blocks / p * 4 * hb * (layout.tp > 1) + m * c.num_blocks / p * 8 * hb * (layout.sp > 1)
+    if layout.ep > 1 and c.experts is not None:  # four all-to-alls of the rows per block, their share to the others
+        rows = c.experts.rows_per_token * hb / layout.sp
+        comm_bytes += m * c.num_blocks / p * 4 * rows * (layout.ep - 1) / layout.ep
     bubble = {s: sim.bubble(s) for s in range(p)}
     return Prediction(layout, sim.makespan + allreduce, bubble, peak, during, comm_bytes, sim, schedule, cost)
 
@@ -413,4 +456,6 @@ def _layouts(problem: Problem, devices: int, max_m: int, policies: tuple[str, ..
                                 rc = policy if schedule != "helix" else ("no_attention" if policy != "none" else "none")
                                 for sharding in ("none", "full") if dp > 1 else ("none",):
                                     out.append(Layout(dp, pp, tp, sp, schedule, m, rc, fold, sharding))
+                                for ep in _divisors(dp * sp)[1:] if problem.costs.experts is not None else ():
+                                    out.append(Layout(dp, pp, tp, sp, schedule, m, rc, fold, "none", ep))
     return list(dict.fromkeys(out))

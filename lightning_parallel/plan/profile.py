@@ -16,9 +16,12 @@ runtime makes of it:
   its two messages (``_p2p.pack``, what ``isend_packed`` sends).
 
 The post-trunk code and loss (head) is timed forward and backward with the trunk output substituted, the
-capture (the user's step up to the trunk) per micro-batch. Wall clock, not a sum of op times: the
-runtime pays each call's Python, autograd and allocator overheads too, and an action that runs a part
-of a block (helix) pays them per part.
+capture (the user's step up to the trunk) per micro-batch. A block's mixture of experts (those expert
+parallelism shards: ``expert_parallel.find_experts``, ``find_expert_lists``) is counted: its experts'
+parameter bytes, their number, and the rows each token sends to them in one forward (top-k).
+
+Wall clock, not a sum of op times: the runtime pays each call's Python, autograd and allocator overheads too,
+and an action that runs a part of a block (helix) pays them per part.
 
 The samples are fitted in the length by ``plan.costs``.
 """
@@ -26,6 +29,7 @@ The samples are fitted in the length by ``plan.costs``.
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +41,7 @@ from lightning_parallel import _p2p
 from lightning_parallel.block_protocol import Split
 from lightning_parallel.blocks import BlockConfig, BlockLayer, apply_recompute
 from lightning_parallel.errors import AnatomyError
+from lightning_parallel.expert_parallel import find_expert_lists, find_experts
 from lightning_parallel.memory import kept_at_width, kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,
@@ -46,7 +51,15 @@ from lightning_parallel.pipeline.capture import (
     unwrap_output,
 )
 from lightning_parallel.pipeline.split_backward import backward_input
-from lightning_parallel.plan.costs import HELIX_PARTS, PLANNED_POLICIES, BlockCosts, Sample, fitted, median
+from lightning_parallel.plan.costs import (
+    HELIX_PARTS,
+    PLANNED_POLICIES,
+    BlockCosts,
+    ExpertCosts,
+    Sample,
+    fitted,
+    median,
+)
 from lightning_parallel.trunk import Trunk, discover_trunk
 
 
@@ -219,6 +232,45 @@ def _split(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> tuple[Split | Non
     return runner.stack, ""
 
 
+def _experts(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> ExpertCosts | None:
+    """Block 0's mixture of experts (module docstring): one forward counts the rows its experts receive."""
+    block = trunk.blocks[0]
+    routed, lists = find_experts(block), find_expert_lists(block)
+    if not routed and not lists:
+        return None
+    count: dict[str, float] = {"rows": 0.0, "tokens": 0.0}
+
+    def on_routed(module: Any, args: tuple, kwargs: dict) -> None:
+        bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+        values = list(bound.arguments.values())[1:]
+        rows = values[0].shape[0]  # dense experts: every expert's block of the tokens
+        count["rows"] += values[1].numel() if len(values) >= 3 else rows
+        count["tokens"] += rows if len(values) >= 3 else rows / module.num_experts
+
+    def on_mixture(module: Any, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else next(iter(kwargs.values()))
+        count["tokens"] += x.numel() / x.shape[-1]
+
+    def on_expert(module: Any, args: tuple) -> None:
+        count["rows"] += args[0].numel() / args[0].shape[-1]
+
+    cap, _ = _capture(trunk, lambda: lm.training_step(crop(batch, seq_len), 0))
+    hooks = [m.register_forward_pre_hook(on_routed, with_kwargs=True) for _, m in routed]
+    hooks += [m.register_forward_pre_hook(on_mixture, with_kwargs=True) for _, m, _ in lists]
+    hooks += [e.register_forward_pre_hook(on_expert) for _, _, experts in lists for e in experts]
+    try:
+        with torch.no_grad():
+            block(cap.trunk_input.detach(), *cap.block_args[0][0], **cap.block_args[0][1])
+    finally:
+        for h in hooks:
+            h.remove()
+    params = [p for _, m in routed for p in m.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == m.num_experts]
+    params += [p for _, _, experts in lists for p in experts.parameters()]
+    counts = [m.num_experts for _, m in routed] + [len(experts) for _, _, experts in lists]
+    return ExpertCosts(sum(p.numel() * p.element_size() for p in params), min(counts),
+                       count["rows"] / max(count["tokens"], 1.0))  # fmt: skip
+
+
 def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repeats: int = 3) -> BlockCosts:
     """Measure ``lm``'s block and head costs at ``seq_lens`` on ``micro_batch`` samples of ``batch``."""
     if len(seq_lens) < 2:
@@ -239,4 +291,5 @@ def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repe
         outer_parameter_bytes=sum(p.numel() * p.element_size() for p in lm.parameters() if id(p) not in in_blocks),
         helix_refused=refused,
         micro_batch=micro_batch,
+        experts=_experts(lm, trunk, batch, lens[0]),
     )

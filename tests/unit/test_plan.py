@@ -201,3 +201,77 @@ def test_measure_collectives_fits_the_all_reduce_and_the_all_gather_apart(monkey
     assert link.all_reduce(1 << 22, 4) == pytest.approx(truth["collective"].all_reduce(1 << 22, 4))
     assert link.all_gather(1 << 22, 4) == pytest.approx(truth["gather"].all_gather(1 << 22, 4))
     assert Link(5e9, 1e-5, collective=fits["collective"]).all_gather(1 << 22, 4) < link.all_gather(1 << 22, 4)
+
+
+# ------------------------------------------------------------------------------ a mixture of experts
+@pytest.fixture(scope="module")
+def moe_costs():
+    from tests.helpers.zoo import HomeLM
+
+    torch.manual_seed(0)
+    model = HomeLM("moe", vocab_size=32)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 32, (2, 65), generator=g)
+    return model, profile(model, (data[:, :-1], data[:, 1:]), [16, 32, 64], repeats=1)
+
+
+def test_expert_parallel_layouts_are_ranked_with_their_memory_and_exchange(moe_costs):
+    """A home-written mixture (4 experts, top-2): the profile counts its experts' bytes, their number and the rows
+    each token sends; ep layouts are ranked, hold 1/ep of the experts' parameters, gradients and AdamW state, and
+    pay two all-to-alls of the rows per block and direction."""
+    from lightning_parallel.plan.output import strategy_config
+    from lightning_parallel.plan.predict import expert_exchange
+
+    model, costs = moe_costs
+    experts = costs.experts
+    block = model.stack[0]
+    assert experts is not None and experts.num_experts == 4 and experts.rows_per_token == pytest.approx(2.0)
+    assert experts.parameter_bytes == sum(p.numel() * 4 for p in block.moe.experts.parameters())
+    problem = Problem(costs, 64, global_batch=8, link=LINKS["cpu"], optimizer="adamw")
+    ranked = candidates(problem, 4, policies=("none",), heads=4)
+    assert {pr.layout.ep for pr in ranked} == {1, 2, 4}
+    assert any(pr.layout.ep == 2 and pr.layout.sp == 2 for pr in ranked)  # ep over the sequence shards too
+    dp, ep = (predict(problem, Layout(dp=2, pp=1, microbatches=1, ep=e)) for e in (1, 2))
+    # parameters, gradients and AdamW's two moments: (1 + 1 + 2) x half the experts' bytes per block, fewer
+    saved = costs.num_blocks * experts.parameter_bytes / 2 * (1 + 1 + 2)
+    assert max(dp.peak_memory.values()) - max(ep.peak_memory.values()) == pytest.approx(saved)
+    exchange = expert_exchange(problem, Layout(dp=2, pp=1, microbatches=1, ep=2), costs.hidden_bytes(64) * 4)
+    assert exchange > 0 and ep.comm_bytes > dp.comm_bytes
+    forward = lambda pr: pr.cost(pr.schedule[0][0])  # noqa: E731  (the one stage's first action: F)
+    assert forward(ep) - forward(dp) == pytest.approx(costs.num_blocks * exchange)
+    assert strategy_config(ep.layout)["init_args"]["expert_parallel_size"] == 2
+    with pytest.raises(ValueError, match=r"ep 4 must divide dp x sp = 2 and 4 experts"):
+        predict(problem, Layout(dp=2, pp=1, microbatches=1, ep=4))
+    with pytest.raises(ValueError, match=r"needs a mixture of experts in the block"):
+        predict(Problem(_gpt_costs(), 64, global_batch=8, link=LINKS["cpu"]), Layout(dp=2, pp=1, microbatches=1, ep=2))
+
+
+def _gpt_costs():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    data = torch.randint(0, 32, (2, 65), generator=torch.Generator().manual_seed(1))
+    return profile(model, (data[:, :-1], data[:, 1:]), [16, 32], repeats=1)
+
+
+@pytest.mark.parametrize(("row", "rows"), [("hf:mixtral@batched_mm", 2.0), ("hf:llama4", 4.0)])
+def test_the_profile_counts_a_transformers_mixtures_experts_and_rows(row, rows):
+    """Mixtral routes each token to 2 of its 4 experts; Llama 4's dense experts take every token (4 rows)."""
+    import importlib
+
+    from lightning_parallel.trunk import discover_trunk
+    from tests.helpers.parity import build
+
+    pytest.importorskip("transformers")
+    module, data = build(row, 2, "sgd")
+    for m in module.modules():  # (the zoo's models build a KV cache, which a block called alone would grow)
+        if hasattr(getattr(m, "config", None), "use_cache"):
+            m.config.use_cache = False
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    trunk = discover_trunk(module)
+    experts = importlib.import_module("lightning_parallel.plan.profile")._experts(module, trunk, batch, 8)
+    stacked = [
+        p for n, p in trunk.blocks[0].named_parameters() if ".experts." in n and p.shape[0] == 4 and p.dim() == 3
+    ]
+    assert experts is not None and experts.num_experts == 4 and experts.rows_per_token == pytest.approx(rows)
+    assert experts.parameter_bytes == sum(p.numel() * p.element_size() for p in stacked) > 0
