@@ -7,7 +7,9 @@ Prints per layout: tokens/s (the global batch's tokens over the mean step time a
 slowest rank's), the all-to-all's time per step under ep (the dispatch and combine exchanges, forward and backward:
 each timed from the call to its result, and in the backward from the gradient's arrival at the exchange to its
 departure), and per rank the bytes of the experts' parameters, gradients and AdamW state against one process's
-divided by ep (the issue's bound: at most 1.05x).
+divided by ep (the issue's bound: at most 1.05x). Then the planner's view of the same three layouts (its profile of
+this Mixtral, one process, and its preset gloo-on-CPU link): the predicted tokens/s against dp=2 beside the measured,
+its ranking, and its experts' bytes per rank under ep=2 beside the measured.
 
     python benchmarks/expert_parallel.py [--dim 256] [--experts 8] [--layers 4] [--seq-len 256] [--steps 8]
 """
@@ -146,6 +148,24 @@ def _rank(rank: int, world: int, layout: str, args: argparse.Namespace) -> tuple
     return clock.steps, clock.exchanges, clock.bytes
 
 
+def _planned(args: argparse.Namespace) -> dict[str, Any]:
+    """The planner's predictions of the three layouts (module docstring)."""
+    from examples.data import CharDataModule
+    from lightning_parallel.plan import LINKS, Layout, Problem, predict, profile
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = CharDataModule(block_size=args.seq_len, batch_size=1)
+    data.setup("fit")
+    module = Mixtral(args.dim, args.experts, args.layers, data.vocab_size)
+    batch = next(iter(data.train_dataloader()))
+    lens = [args.seq_len // 4, args.seq_len // 2, args.seq_len]
+    problem = Problem(profile(module, batch, lens), args.seq_len, args.batch, LINKS["cpu"], "adamw")
+    layouts = {"dp=2": Layout(dp=2, pp=1, microbatches=1), "dp=2, ep=2": Layout(dp=2, pp=1, microbatches=1, ep=2),
+               "tp=2": Layout(dp=1, pp=1, tp=2, microbatches=1)}  # fmt: skip
+    return {"problem": problem, **{k: predict(problem, v) for k, v in layouts.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dim", type=int, default=256)
@@ -177,6 +197,19 @@ def main() -> None:
             f"ep=2, rank 0, experts' {what}: {nbytes / 2**20:.2f} MiB = {nbytes / (whole[what] / 2):.3f}x one"
             f" process's / ep ({whole[what] / 2**20:.2f} MiB / 2)"
         )
+    from lightning_parallel.plan.predict import expert_bytes
+
+    planned = _planned(args)
+    problem, predicted = planned.pop("problem"), {k: tokens / p.step_time for k, p in planned.items()}
+    print("planner, against dp=2: " + ", ".join(
+        f"{k} {v / predicted['dp=2']:.2f}x (measured {rates[k] / base:.2f}x)" for k, v in predicted.items() if k != "dp=2"
+    ))  # fmt: skip
+    ranked = lambda r: " > ".join(sorted(r, key=r.__getitem__, reverse=True))  # noqa: E731
+    print(f"planner's ranking: {ranked(predicted)}; measured: {ranked(rates)}")
+    layout = planned["dp=2, ep=2"].layout
+    mine = problem.costs.num_blocks * expert_bytes(problem, layout)
+    print(f"planner, ep=2, experts' parameters per rank: {mine / 2**20:.2f} MiB (measured"
+          f" {held['dp=2, ep=2']['parameters'] / 2**20:.2f} MiB)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from lightning_parallel.plan.costs import (
     fitted,
     median,
 )
-from lightning_parallel.trunk import Trunk, discover_trunk
+from lightning_parallel.trunk import Trunk, discover_trunk, prepare_model
 
 
 def crop(batch: Any, seq_len: int) -> Any:
@@ -278,6 +278,7 @@ def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repe
     from torch.utils._pytree import tree_map
 
     batch = tree_map(lambda t: t[:micro_batch] if isinstance(t, Tensor) and t.dim() >= 1 else t, batch)
+    prepare_model(lm)  # (a KV cache off, as the strategies run it)
     trunk = discover_trunk(lm)
     lm.train()
     lens = sorted(seq_lens)

@@ -258,14 +258,12 @@ def test_the_profile_counts_a_transformers_mixtures_experts_and_rows(row, rows):
     """Mixtral routes each token to 2 of its 4 experts; Llama 4's dense experts take every token (4 rows)."""
     import importlib
 
-    from lightning_parallel.trunk import discover_trunk
+    from lightning_parallel.trunk import discover_trunk, prepare_model
     from tests.helpers.parity import build
 
     pytest.importorskip("transformers")
     module, data = build(row, 2, "sgd")
-    for m in module.modules():  # (the zoo's models build a KV cache, which a block called alone would grow)
-        if hasattr(getattr(m, "config", None), "use_cache"):
-            m.config.use_cache = False
+    prepare_model(module)  # (as profile() does: the KV cache off)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     trunk = discover_trunk(module)
