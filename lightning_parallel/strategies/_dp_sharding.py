@@ -66,9 +66,10 @@ class DataParallel:
         self.buckets = GradientBuckets(units, group, self.bucket_cap_mb, keys)
         return None
 
-    def shards_of(self, optimizer: Optimizer, group: Any, rank: int, size: int) -> _sharding.ShardedOptimizer:
+    def shards_of(self, optimizer: Optimizer, group: Any, rank: int, size: int,
+                  whole: Callable[[Tensor], bool]) -> _sharding.ShardedOptimizer:  # fmt: skip
         if id(optimizer) not in self.shards:
-            self.shards[id(optimizer)] = _sharding.ShardedOptimizer(optimizer, group, rank, size)
+            self.shards[id(optimizer)] = _sharding.ShardedOptimizer(optimizer, group, rank, size, whole)
         return self.shards[id(optimizer)]
 
 
@@ -84,6 +85,7 @@ class DataParallelShardingMixin(ParallelStrategy):
     _trunk_path: Optional[str]
     _vocabulary_parallel: bool
     _tp_layout: Any
+    _gradient_plan: Any
     parallel_dims: Any
     coordinate: dict[str, int]
     dp_group: Any
@@ -251,7 +253,11 @@ class DataParallelShardingMixin(ParallelStrategy):
             return None
 
     def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
-        return self._dp.shards_of(optimizer, self.dp_group, self.coordinate[DP], self.parallel_dims.dp)
+        def expert(p: Tensor) -> bool:  # (the plan's experts: a deferred block's join as it materialises)
+            plan = self._gradient_plan
+            return plan is not None and plan.experts is not None and id(p) in plan.expert_ids()
+
+        return self._dp.shards_of(optimizer, self.dp_group, self.coordinate[DP], self.parallel_dims.dp, expert)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

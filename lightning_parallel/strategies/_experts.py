@@ -75,7 +75,7 @@ class ExpertParallel:
                 f"={dims.sp} = {dims.dp * dims.sp}: expert parallelism reuses the data- and sequence-parallel ranks;"
                 f" give their product a multiple of {self.size}"
             )
-        if sharding != "none":
+        if sharding == "full":
             raise ConfigurationError(
                 f"strategy={strategy!r} with expert_parallel_size={self.size} and data_parallel_sharding="
                 f"{sharding!r} is not supported yet: drop one of the two arguments"

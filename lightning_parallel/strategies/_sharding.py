@@ -24,7 +24,9 @@ replica's; parameters stay whole. Checkpoints hold whole optimizer state by para
 writes its chunks into the whole tensors on disk (:meth:`ShardedOptimizer.checkpoint_state`,
 :mod:`lightning_parallel.flat_chunks`: no gather), and a restore's whole state is cut again when the first
 step after it opens its window, so a checkpoint moves between every layout. 0-dim parameters are not cut: their
-gradients are averaged whole and every rank steps them.
+gradients are averaged whole and every rank steps them. Nor are expert parallelism's experts (``whole``): each
+rank of an ep group holds other experts (1/ep of them already), their gradients are reduced before (over the ranks
+holding the same experts), and every rank steps its own whole, with its whole state.
 
 Inside the window the model's parameters have no ``.grad`` (the optimizer's chunk views in
 ``optimizer.param_groups`` hold the reduced gradients): a hook that reads ``pl_module.parameters()``
@@ -80,8 +82,10 @@ def check_optimizer(optimizer: Optimizer, mode: str = "optimizer") -> None:
 class ShardedOptimizer:
     """One optimizer's chunks on one dp rank (``rank`` of ``size`` in ``group``)."""
 
-    def __init__(self, optimizer: Optimizer, group: Any, rank: int, size: int) -> None:
+    def __init__(self, optimizer: Optimizer, group: Any, rank: int, size: int,
+                 whole: Callable[[Tensor], bool] = lambda p: False) -> None:  # fmt: skip
         self.optimizer, self.group, self.rank, self.size = optimizer, group, rank, size
+        self.whole = whole  # parameters not cut, their gradients reduced already: ep's experts (module docstring)
         self._originals: dict[int, nn.Parameter] = {}  # id(chunk view) -> its parameter, while the window is open
         self._cut: set[int] = set()  # ids of the parameters whose optimizer state holds chunks
 
@@ -109,7 +113,7 @@ class ShardedOptimizer:
         zeros there), so every rank reduces the same tensors. A 0-dim parameter stays whole: its gradient
         is averaged in place and every rank steps it."""
         reduced: dict[int, Tensor] = {}
-        params = self.params()
+        params = [p for p in self.params() if not self.whole(p)]
         has = [p.grad is not None for p in params]
         agreed = _collectives.any_over_group(has, self.group) if self.size > 1 else has
         for p, mine, anyone in zip(params, has, agreed):
@@ -147,15 +151,16 @@ class ShardedOptimizer:
             self._cut.add(id(p))
 
     def _sharded(self) -> list[nn.Parameter]:
-        return [p for p in self.params() if local(p).dim() > 0]
+        return [p for p in self.params() if local(p).dim() > 0 and not self.whole(p)]
 
     @property
     def open(self) -> bool:
         return bool(self._originals)
 
     def is_whole(self, p: Tensor) -> bool:
-        """A 0-dim parameter of this optimizer: not cut, the same gradient on every dp rank."""
-        return local(p).dim() == 0 and any(p is q for q in self.params())
+        """A 0-dim parameter of this optimizer: not cut, the same gradient on every dp rank (an expert, also not
+        cut, is another rank's on each rank of its ep group: the norm counts it apart)."""
+        return local(p).dim() == 0 and not self.whole(p) and any(p is q for q in self.params())
 
     @contextmanager
     def window(self, reduced: dict[int, Tensor]) -> Iterator[None]:

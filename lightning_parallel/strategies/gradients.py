@@ -17,6 +17,7 @@ and :func:`norms`, the per-parameter norms behind the strategies' ``grad_norm()`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -50,8 +51,12 @@ class GradientPlan:
     outer: Optional[OuterShards]  # the pipeline strategies' pre/post-trunk parameters
     experts: Optional[ExpertLayout] = None  # expert parallelism's sharded experts
 
-    def expert_ids(self) -> set[int]:
-        return {id(p) for p in self.experts.params} if self.experts is not None else set()
+    def expert_ids(self) -> frozenset[int]:
+        return self._expert_ids
+
+    @functools.cached_property
+    def _expert_ids(self) -> frozenset[int]:
+        return frozenset(id(p) for p in self.experts.params) if self.experts is not None else frozenset()
 
     def group(self, axis: str) -> Any:
         """The group of ``axis`` when it has more than one rank, else ``None``."""

@@ -28,6 +28,13 @@ LAYOUTS = {
     "dp2": (lambda: HybridParallelStrategy(data_parallel_size=2), 2, 2),
     "dp2zero": (lambda: HybridParallelStrategy(data_parallel_size=2, data_parallel_sharding="optimizer"), 2, 2),
     "dp2ep2": (lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2), 2, 2),
+    "dp2zeroep2": (
+        lambda: HybridParallelStrategy(
+            data_parallel_size=2, expert_parallel_size=2, data_parallel_sharding="optimizer"
+        ),
+        2,
+        2,
+    ),
     "sp2ep2": (
         lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=1, expert_parallel_size=2),
         2,

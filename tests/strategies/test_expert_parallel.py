@@ -245,8 +245,8 @@ def test_experts_of_a_model_built_in_configure_model_are_sharded_as_their_blocks
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(data_parallel_size=2, data_parallel_sharding="optimizer"),
-      r"and data_parallel_sharding='optimizer' is not supported yet")],
+    [(dict(data_parallel_size=2, data_parallel_sharding="full"),
+      r"and data_parallel_sharding='full' is not supported yet")],
 )  # fmt: skip
 def test_what_ep_does_not_compose_with_yet_is_refused(kwargs, message):
     strategy = HybridParallelStrategy(expert_parallel_size=2, **kwargs)
@@ -275,6 +275,59 @@ def test_a_bad_size_is_refused_when_the_strategy_is_built():
         HybridParallelStrategy(expert_parallel_size=0)
 
 
+# ------------------------------------------------------------------------------ with ZeRO over the rest
+class _ZeroChunksTheRest(L.Callback):
+    """After the first step: AdamW's state of every parameter but the experts is this dp rank's 1-D chunk; the
+    experts' is whole (their local experts')."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx:
+            return
+        state, dp = trainer.optimizers[0].state, trainer.strategy.parallel_dims.dp
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        experts = trainer.strategy._gradient_plan.expert_ids()
+        seen = {True: 0, False: 0}
+        for p in pl_module.parameters():
+            if p not in state or p.dim() == 0:
+                continue
+            moment = local(state[p]["exp_avg"])
+            if id(p) in experts:
+                assert moment.shape == local(p).shape, (tuple(moment.shape), tuple(local(p).shape))
+            else:
+                n, rank = local(p).numel(), trainer.strategy.coordinate["dp"]
+                chunk = -(-n // dp)  # this rank's of dp chunks of ceil(n / dp) elements (the last shorter)
+                assert moment.dim() == 1 and moment.numel() == min(chunk, max(0, n - rank * chunk)), moment.shape
+            seen[id(p) in experts] += 1
+        assert seen[True] and seen[False], seen
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["dp2", pytest.param("dp4", marks=pytest.mark.slow), pytest.param("pp2dp2", marks=pytest.mark.slow),
+     pytest.param("tp2dp2", marks=pytest.mark.slow), "home"],
+)  # fmt: skip
+def test_ep2_with_zero_over_the_other_parameters_trains_as_one_process(layout):
+    """data_parallel_sharding='optimizer' with ep=2: ZeRO cuts every parameter but the experts over dp (its
+    reduce-scatter and all-gather), the experts stay 1/ep per rank, each stepped whole by its rank (their gradient
+    reduced over the ranks holding them); dp=4 with clipping (SGD), pipeline and tensor parallelism, the home-written
+    mixture."""
+    zero = dict(data_parallel_sharding="optimizer", expert_parallel_size=2)
+    checks = lambda: [_HoldsItsExperts(), _ZeroChunksTheRest()]  # noqa: E731
+    if layout == "dp4":
+        make = lambda: HybridParallelStrategy(data_parallel_size=4, **zero)  # noqa: E731
+        assert_parity(MOE_ROW, make, 4, data_parallel_size=4, optimizer="sgd", gradient_clip_val=0.05)
+    elif layout == "pp2dp2":
+        make = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, **zero)  # noqa: E731
+        assert_parity(MOE_ROW, make, 4, data_parallel_size=2, callbacks=checks)
+    elif layout == "tp2dp2":
+        make = lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=2, **zero)  # noqa: E731
+        assert_parity(MOE_ROW, make, 4, data_parallel_size=2, callbacks=checks)
+    else:
+        model = "home:moe" if layout == "home" else MOE_ROW
+        make = lambda: HybridParallelStrategy(data_parallel_size=2, **zero)  # noqa: E731
+        assert_parity(model, make, 2, data_parallel_size=2, callbacks=checks)
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 MOE = "hf:qwen3_moe@batched_mm"
 
@@ -301,10 +354,10 @@ def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2"])
+@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2", "dp2zeroep2"])
 def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout):
-    """Saved under pipeline, tensor or sequence parallelism with ep=2, the checkpoint equals dp=2's (each expert
-    once, whole, with its AdamW state)."""
+    """Saved under pipeline, tensor or sequence parallelism or ZeRO with ep=2, the checkpoint equals dp=2's (each
+    expert once, whole, with its AdamW state)."""
     from lightning_parallel.checkpoint import load_sharded
     from tests.strategies.test_checkpoints import _assert_close, _run
 
@@ -319,7 +372,8 @@ def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout
 @pytest.mark.parametrize(
     ("layout", "model"),
     [("dp2ep2", MOE), pytest.param("dp2ep2", "home:moe", marks=pytest.mark.slow),
-     pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow), pytest.param("sp2ep2", MOE, marks=pytest.mark.slow)],
+     pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow), pytest.param("sp2ep2", MOE, marks=pytest.mark.slow),
+     pytest.param("dp2zeroep2", MOE, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout, model):
     from tests.strategies.test_checkpoints import _assert_close, _run
