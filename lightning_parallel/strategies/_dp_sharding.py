@@ -86,6 +86,8 @@ class DataParallelShardingMixin(ParallelStrategy):
     _vocabulary_parallel: bool
     _tp_layout: Any
     _gradient_plan: Any
+    _experts: Any
+    _shard_experts: Callable[[], None]
     parallel_dims: Any
     coordinate: dict[str, int]
     dp_group: Any
@@ -127,11 +129,13 @@ class DataParallelShardingMixin(ParallelStrategy):
             eager = [t for m in unit for t in [*m.parameters(), *m.buffers()] if not t.is_meta]
             self._deferred.unchecked.append(materialize_(lm, device, seed, only=unit, tape=self._deferred.tape))
             _collectives.broadcast_([t.data for t in eager], self.dp_group)
+            self._shard_experts()  # the unit's experts by ep, before FSDP2 shards the rest
 
         mesh = self._mesh[DP]
         self._dp.fsdp_root = fully_shard_model(
-            lm, held, mesh, before=materialize_unit, exclude=freed, outer=self.parallel_dims.pp == 1
-        )
+            lm, held, mesh, before=materialize_unit, exclude=freed, outer=self.parallel_dims.pp == 1,
+            ignored=self._expert_params,
+        )  # fmt: skip
 
     def _fully_shard_built(self, lm: LightningModule) -> None:
         """Full sharding of a model built eagerly (after the set-up broadcast, which must see whole tensors)."""
@@ -140,8 +144,9 @@ class DataParallelShardingMixin(ParallelStrategy):
         held = self._held_blocks(lm)
         blocks = self._blocks.trunk.blocks if self._blocks is not None else []
         freed = [b for b in blocks if b not in held]
+        self._shard_experts()  # each rank's experts by ep first: FSDP2 leaves them out
         self._dp.fsdp_root = fully_shard_model(
-            lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1
+            lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1, ignored=self._expert_params
         )
 
     @property
@@ -180,7 +185,8 @@ class DataParallelShardingMixin(ParallelStrategy):
             layer.commit_all(x, cap.block_args)
             before = dict(lm.named_parameters())  # the commits' shards (the optimizers hold these now)
             mesh, outer = self._mesh[DP], self.parallel_dims.pp == 1
-            self._dp.fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer)
+            self._dp.fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer,
+                                                   ignored=self._expert_params)  # fmt: skip
         after = dict(lm.named_parameters())
         replaced = [(before[n], after[n], n) for n in before if after[n] is not before[n]]
         replace_parameters(self.optimizers, replaced, self._as_fsdp_shard)  # restored state: sharded alike
@@ -251,6 +257,12 @@ class DataParallelShardingMixin(ParallelStrategy):
             return discover_trunk(lm, self._trunk_path)
         except ValueError:
             return None
+
+    def _expert_params(self) -> set[torch.nn.Parameter]:
+        """Expert parallelism's experts, this rank's and (of a home-written mixture) the others' on meta: FSDP2
+        leaves them out."""
+        layout = self._experts.layout
+        return {*layout.params, *self._experts.elsewhere} if layout is not None else set()
 
     def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
         def expert(p: Tensor) -> bool:  # (the plan's experts: a deferred block's join as it materialises)

@@ -64,8 +64,9 @@ class ExpertParallel:
         self.dims: Optional[ParallelDims] = None
         self.layout: Optional[ExpertLayout] = None
         self.holds_parts = False  # each rank keeps only its experts of a home-written mixture (the rest on meta)
+        self.elsewhere: list[nn.Parameter] = []  # those other ranks' experts (on meta here)
 
-    def check(self, dims: ParallelDims, sharding: str, strategy: str) -> None:
+    def check(self, dims: ParallelDims) -> None:
         """Refuse a layout the axis cannot take, before any process starts."""
         if self.size == 1:
             return
@@ -74,11 +75,6 @@ class ExpertParallel:
                 f"expert_parallel_size={self.size} must divide data_parallel_size={dims.dp} x sequence_parallel_size"
                 f"={dims.sp} = {dims.dp * dims.sp}: expert parallelism reuses the data- and sequence-parallel ranks;"
                 f" give their product a multiple of {self.size}"
-            )
-        if sharding == "full":
-            raise ConfigurationError(
-                f"strategy={strategy!r} with expert_parallel_size={self.size} and data_parallel_sharding="
-                f"{sharding!r} is not supported yet: drop one of the two arguments"
             )
 
     def connect(self, mesh: DeviceMesh, dims: ParallelDims) -> None:
@@ -128,6 +124,8 @@ class ExpertParallel:
         ]
         params += [p for _, _, experts in lists for p in experts.parameters() if not p.is_meta]
         self.holds_parts = any(isinstance(m.__dict__.get("forward"), ListExperts) for _, m, _ in lists)
+        cut_lists = [e for _, m, e in lists if isinstance(m.__dict__.get("forward"), ListExperts)]
+        self.elsewhere = [p for experts in cut_lists for p in experts.parameters() if p.is_meta]
         assert self.dims is not None
         replicas, rank = self.mesh[REPLICA_AXIS].get_group(), self.mesh[REPLICA_AXIS].get_local_rank() * self.size
         rank += self.mesh[EP_AXIS].get_local_rank()

@@ -28,6 +28,10 @@ stacks shard them at their commit, which verifies each stack on a copy of the bl
 cannot be copied), so set-up shards nothing under this layout and the strategy commits every block before
 the first step or evaluation runs, then calls :func:`fully_shard_model`.
 
+With expert parallelism the experts are left out of every unit (``ignored_params``): they are sharded by expert
+over the ep ranks already (1/ep per rank), their gradients reduced over the ranks holding the same experts
+(:mod:`lightning_parallel.strategies.gradients`); FSDP2 shards the rest over dp.
+
 Refused: helix (its runtime calls the parts of a block cut at its attention call, where FSDP2's hooks need
 whole module calls); ``data_parallel_sharding="optimizer"`` composes with it.
 """
@@ -48,13 +52,16 @@ def fully_shard_model(
     before: Optional[Callable[[list[nn.Module]], None]] = None,
     exclude: list[nn.Module] = (),  # type: ignore[assignment]
     outer: bool = True,
+    ignored: Callable[[], set[nn.Parameter]] = set,
 ) -> list[nn.Module]:
     """Apply ``fully_shard`` to ``blocks`` and to the modules of ``module`` outside them that hold
     parameters, tie them under an initialised root; return the root (keep a reference). ``before(unit)``
     runs just before a unit is sharded: deferred initialisation materialises it there, so a rank holds its
     shards plus one unit whole, never the whole model. ``exclude``: modules another stage holds (freed).
     ``outer=False``: no units outside the blocks (under pipeline parallelism the stages shard those
-    themselves, over dp x pp: :mod:`lightning_parallel.strategies._stage_local`)."""
+    themselves, over dp x pp: :mod:`lightning_parallel.strategies._stage_local`). ``ignored()``: parameters FSDP2
+    leaves as they are (expert parallelism's experts, sharded by expert over the ep ranks: each rank holds other
+    experts), asked after ``before(unit)`` (a unit materialised there has its experts sharded then)."""
     from torch.distributed.fsdp import fully_shard
 
     inside = {id(m) for b in [*blocks, *exclude] for m in b.modules()}
@@ -101,13 +108,15 @@ def fully_shard_model(
     for unit in [*([b] for b in blocks), *outer_units]:
         if before is not None:
             before(unit)
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh)
+        mine = {id(p) for m in unit for p in m.parameters()}
+        skip = {p for p in ignored() if id(p) in mine}
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, ignored_params=skip or None)
     members = [*blocks, *(m for u in units for m in u)]
     # only the units' top modules under the root: FSDP2 manages a unit's module that lies inside another of its
     # modules (a decoder inside the head that shares its bias) through that one, and the root would take it again
     inside = {id(d) for m in members for d in m.modules() if d is not m}
     root = _Root([m for m in members if id(m) not in inside])
-    fully_shard(root, mesh=mesh)
+    fully_shard(root, mesh=mesh, ignored_params=ignored() or None)
     root._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     return [root]
 

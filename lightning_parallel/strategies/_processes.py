@@ -135,7 +135,7 @@ class ProcessesMixin(ParallelStrategy):
         self._refuse_unused(dims)
         if self._dp.mode == "full" and dims.dp > 1:
             check_full(self.strategy_name, self._cuts_blocks)
-        self._experts.check(dims, self._dp.mode if dims.dp > 1 else "none", self.strategy_name)
+        self._experts.check(dims)
         assert self.cluster_environment is not None
         if self._processes.start_method == "popen":
             environment = self.cluster_environment

@@ -35,6 +35,11 @@ LAYOUTS = {
         2,
         2,
     ),
+    "dp2fullep2": (
+        lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, data_parallel_sharding="full"),
+        2,
+        2,
+    ),
     "sp2ep2": (
         lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=1, expert_parallel_size=2),
         2,

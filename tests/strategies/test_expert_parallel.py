@@ -13,7 +13,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
-from lightning_parallel.errors import ConfigurationError
 from tests.helpers.parity import assert_parity
 
 pytest.importorskip("transformers")
@@ -243,17 +242,6 @@ def test_experts_of_a_model_built_in_configure_model_are_sharded_as_their_blocks
     assert_parity("hf-mixtral-deferred", strategy, 4, data_parallel_size=2, callbacks=lambda: [_HoldsItsExperts()])
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [(dict(data_parallel_size=2, data_parallel_sharding="full"),
-      r"and data_parallel_sharding='full' is not supported yet")],
-)  # fmt: skip
-def test_what_ep_does_not_compose_with_yet_is_refused(kwargs, message):
-    strategy = HybridParallelStrategy(expert_parallel_size=2, **kwargs)
-    with pytest.raises(ConfigurationError, match=message):
-        L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("row", ["hf:mixtral@batched_mm", "hf:qwen3_moe@batched_mm"])
 def test_ep2_under_helix_with_tensor_parallelism_trains_as_one_process(row):
@@ -328,6 +316,60 @@ def test_ep2_with_zero_over_the_other_parameters_trains_as_one_process(layout):
         assert_parity(model, make, 2, data_parallel_size=2, callbacks=checks)
 
 
+# ------------------------------------------------------------------------------ with FSDP2 over the rest
+class _FullyShardsTheRest(L.Callback):
+    """After the first step: every expert parameter left out by FSDP2 (a DTensor on the ep mesh alone), every other
+    parameter of the blocks (and, without a pipeline, outside them) one of FSDP2's over dp."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lightning_parallel.expert_parallel import EP_AXIS
+
+        if batch_idx:
+            return
+        experts = trainer.strategy._gradient_plan.expert_ids()
+        seen = {True: 0, False: 0}
+        for name, p in pl_module.named_parameters():
+            if p.is_meta:
+                continue
+            names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+            if id(p) in experts:  # (a home-written mixture's: its own experts, plain tensors)
+                assert names in ((EP_AXIS,), ()), (name, names)
+            elif ".layers." in name or ".stack." in name:
+                assert "dp" in names, (name, names)
+            seen[id(p) in experts] += 1
+        assert seen[True] and seen[False], seen
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["dp2", pytest.param("dp4", marks=pytest.mark.slow), pytest.param("pp2dp2", marks=pytest.mark.slow),
+     pytest.param("tp2dp2", marks=pytest.mark.slow), pytest.param("sp2dp2", marks=pytest.mark.slow), "home",
+     pytest.param("deferred", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_ep2_with_fsdp2_over_the_other_parameters_trains_as_one_process(layout):
+    """data_parallel_sharding='full' with ep=2: FSDP2 shards every parameter but the experts over dp
+    (``ignored_params``), the experts stay 1/ep per rank; dp=4 with clipping (SGD), the pipeline, tensor and
+    sequence parallelism (FSDP2 after the blocks' commits), the home-written mixture (the other ranks' experts on
+    meta left out too) and a model built on meta in configure_model (each unit's experts sharded by ep as it
+    materialises, before FSDP2 shards the rest)."""
+    full = dict(data_parallel_sharding="full", expert_parallel_size=2)
+    checks = lambda: [_HoldsItsExperts(), _FullyShardsTheRest()]  # noqa: E731
+    if layout == "dp4":
+        make = lambda: HybridParallelStrategy(data_parallel_size=4, **full)  # noqa: E731
+        assert_parity(MOE_ROW, make, 4, data_parallel_size=4, optimizer="sgd", gradient_clip_val=0.05)
+        return
+    make = {
+        "pp2dp2": lambda: PipelineParallelStrategy(
+            pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, **full
+        ),
+        "tp2dp2": lambda: HybridParallelStrategy(tensor_parallel_size=2, data_parallel_size=2, **full),
+        "sp2dp2": lambda: HybridParallelStrategy(sequence_parallel_size=2, data_parallel_size=2, **full),
+    }.get(layout, lambda: HybridParallelStrategy(data_parallel_size=2, **full))
+    model = {"home": "home:moe", "deferred": "hf-mixtral-deferred"}.get(layout, MOE_ROW)
+    world = 4 if layout in ("pp2dp2", "tp2dp2", "sp2dp2") else 2
+    assert_parity(model, make, world, data_parallel_size=2, callbacks=checks)
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 MOE = "hf:qwen3_moe@batched_mm"
 
@@ -354,10 +396,10 @@ def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2", "dp2zeroep2"])
+@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2", "dp2zeroep2", "dp2fullep2"])
 def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout):
-    """Saved under pipeline, tensor or sequence parallelism or ZeRO with ep=2, the checkpoint equals dp=2's (each
-    expert once, whole, with its AdamW state)."""
+    """Saved under pipeline, tensor or sequence parallelism, ZeRO or FSDP2 with ep=2, the checkpoint equals dp=2's
+    (each expert once, whole, with its AdamW state)."""
     from lightning_parallel.checkpoint import load_sharded
     from tests.strategies.test_checkpoints import _assert_close, _run
 
@@ -373,7 +415,7 @@ def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout
     ("layout", "model"),
     [("dp2ep2", MOE), pytest.param("dp2ep2", "home:moe", marks=pytest.mark.slow),
      pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow), pytest.param("sp2ep2", MOE, marks=pytest.mark.slow),
-     pytest.param("dp2zeroep2", MOE, marks=pytest.mark.slow)],
+     pytest.param("dp2zeroep2", MOE, marks=pytest.mark.slow), pytest.param("dp2fullep2", MOE, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout, model):
     from tests.strategies.test_checkpoints import _assert_close, _run
