@@ -67,9 +67,9 @@ class DataParallel:
         return None
 
     def shards_of(self, optimizer: Optimizer, group: Any, rank: int, size: int,
-                  whole: Callable[[Tensor], bool]) -> _sharding.ShardedOptimizer:  # fmt: skip
+                  experts: Callable[[Tensor], Optional[_sharding.Axis]]) -> _sharding.ShardedOptimizer:  # fmt: skip
         if id(optimizer) not in self.shards:
-            self.shards[id(optimizer)] = _sharding.ShardedOptimizer(optimizer, group, rank, size, whole)
+            self.shards[id(optimizer)] = _sharding.ShardedOptimizer(optimizer, group, rank, size, experts)
         return self.shards[id(optimizer)]
 
 
@@ -265,9 +265,11 @@ class DataParallelShardingMixin(ParallelStrategy):
         return {*layout.params, *self._experts.elsewhere} if layout is not None else set()
 
     def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
-        def expert(p: Tensor) -> bool:  # (the plan's experts: a deferred block's join as it materialises)
+        def expert(p: Tensor) -> Optional[_sharding.Axis]:  # (the plan's: a deferred block's join as it materialises)
             plan = self._gradient_plan
-            return plan is not None and plan.experts is not None and id(p) in plan.expert_ids()
+            if plan is None or plan.experts is None or id(p) not in plan.expert_ids():
+                return None
+            return _sharding.Axis(plan.experts.replicas, plan.experts.replica, plan.experts.replica_count)
 
         return self._dp.shards_of(optimizer, self.dp_group, self.coordinate[DP], self.parallel_dims.dp, expert)
 

@@ -42,8 +42,9 @@ from lightning_parallel.strategies._optimizers import Replaced
 @dataclass(frozen=True)
 class ExpertLayout:
     """What the gradient recipe needs: the expert parameters, the ep group (their squares sum over it in the norm),
-    the group of the ranks holding the same experts (their gradients' sum), ep, the dp size (the sum's divisor) and
-    this rank's place in the flattened ``dp x sp`` ranks (``rank < ep``: the first ep group)."""
+    the group of the ranks holding the same experts (their gradients' sum; ZeRO's axis for them: this rank's place
+    ``replica`` of ``replica_count``), ep, the dp size (the sum's divisor) and this rank's place in the flattened
+    ``dp x sp`` ranks (``rank < ep``: the first ep group)."""
 
     params: list[nn.Parameter]
     group: Any
@@ -51,6 +52,8 @@ class ExpertLayout:
     size: int
     dp: int
     rank: int
+    replica: int = 0
+    replica_count: int = 1
 
 
 class ExpertParallel:
@@ -127,9 +130,11 @@ class ExpertParallel:
         cut_lists = [e for _, m, e in lists if isinstance(m.__dict__.get("forward"), ListExperts)]
         self.elsewhere = [p for experts in cut_lists for p in experts.parameters() if p.is_meta]
         assert self.dims is not None
-        replicas, rank = self.mesh[REPLICA_AXIS].get_group(), self.mesh[REPLICA_AXIS].get_local_rank() * self.size
-        rank += self.mesh[EP_AXIS].get_local_rank()
-        self.layout = ExpertLayout(params, self.mesh[EP_AXIS].get_group(), replicas, self.size, self.dims.dp, rank)
+        across = self.mesh[REPLICA_AXIS]
+        replica, count = across.get_local_rank(), across.size()
+        rank = replica * self.size + self.mesh[EP_AXIS].get_local_rank()
+        self.layout = ExpertLayout(params, self.mesh[EP_AXIS].get_group(), across.get_group(), self.size,
+                                   self.dims.dp, rank, replica, count)  # fmt: skip
         return bool(replaced) or cut
 
 

@@ -24,9 +24,14 @@ replica's; parameters stay whole. Checkpoints hold whole optimizer state by para
 writes its chunks into the whole tensors on disk (:meth:`ShardedOptimizer.checkpoint_state`,
 :mod:`lightning_parallel.flat_chunks`: no gather), and a restore's whole state is cut again when the first
 step after it opens its window, so a checkpoint moves between every layout. 0-dim parameters are not cut: their
-gradients are averaged whole and every rank steps them. Nor are expert parallelism's experts (``whole``): each
-rank of an ep group holds other experts (1/ep of them already), their gradients are reduced before (over the ranks
-holding the same experts), and every rank steps its own whole, with its whole state.
+gradients are averaged whole and every rank steps them.
+
+Expert parallelism's experts are cut over their own axis (``experts(p)``: the ranks holding the same experts, the
+``dp·sp/ep`` replicas of an ep group), not over dp: each rank of an ep group holds other experts (1/ep of them),
+their gradients are reduced over those ranks before (:func:`~lightning_parallel.strategies.gradients.sync_`, whole),
+the window cuts each to this rank's chunk, and the all-gather after the update runs over that axis. So an expert's
+optimizer state is ``1 / (ep · replicas)`` of one process's (ZeRO-1 of the experts over their replicas, as
+torchtitan's and Megatron-Core's expert data parallelism shard it).
 
 Inside the window the model's parameters have no ``.grad`` (the optimizer's chunk views in
 ``optimizer.param_groups`` hold the reduced gradients): a hook that reads ``pl_module.parameters()``
@@ -38,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -79,13 +85,24 @@ def check_optimizer(optimizer: Optimizer, mode: str = "optimizer") -> None:
         )
 
 
+@dataclass(frozen=True)
+class Axis:
+    """The ranks a parameter's chunks are spread over: this rank is ``rank`` of ``size`` in ``group``."""
+
+    group: Any
+    rank: int
+    size: int
+
+
 class ShardedOptimizer:
-    """One optimizer's chunks on one dp rank (``rank`` of ``size`` in ``group``)."""
+    """One optimizer's chunks on one dp rank (``rank`` of ``size`` in ``group``; an expert's on its own axis,
+    ``experts(p)``: module docstring)."""
 
     def __init__(self, optimizer: Optimizer, group: Any, rank: int, size: int,
-                 whole: Callable[[Tensor], bool] = lambda p: False) -> None:  # fmt: skip
+                 experts: Callable[[Tensor], Axis | None] = lambda p: None) -> None:  # fmt: skip
         self.optimizer, self.group, self.rank, self.size = optimizer, group, rank, size
-        self.whole = whole  # parameters not cut, their gradients reduced already: ep's experts (module docstring)
+        self.dp = Axis(group, rank, size)
+        self.experts = experts
         self._originals: dict[int, nn.Parameter] = {}  # id(chunk view) -> its parameter, while the window is open
         self._cut: set[int] = set()  # ids of the parameters whose optimizer state holds chunks
 
@@ -94,16 +111,21 @@ class ShardedOptimizer:
         """The optimizer's parameters, each once, in order."""
         return list({id(p): p for group in self.optimizer.param_groups for p in group["params"]}.values())
 
-    def _chunk(self, p: Tensor) -> int:
-        return math.ceil(local(p).numel() / self.size)
+    def axis(self, p: Tensor) -> Axis:
+        """The ranks ``p``'s chunks are spread over: dp, or an expert's replicas."""
+        return self.experts(p) or self.dp
 
-    def _bounds(self, p: Tensor, rank: int) -> tuple[int, int]:
-        n, c = local(p).numel(), self._chunk(p)
+    def _chunk(self, p: Tensor) -> int:
+        return math.ceil(local(p).numel() / self.axis(p).size)
+
+    def _bounds(self, p: Tensor) -> tuple[int, int]:
+        """This rank's chunk of ``p``'s flattened local tensor."""
+        n, c, rank = local(p).numel(), self._chunk(p), self.axis(p).rank
         return min(rank * c, n), min((rank + 1) * c, n)
 
     def cut(self, p: Tensor, whole: Tensor) -> Tensor:
         """This rank's chunk of ``whole`` (shaped like ``p``'s local tensor)."""
-        start, end = self._bounds(p, self.rank)
+        start, end = self._bounds(p)
         return local(whole).reshape(-1)[start:end]
 
     # -------------------------------------------------------------------------------- gradients
@@ -113,7 +135,7 @@ class ShardedOptimizer:
         zeros there), so every rank reduces the same tensors. A 0-dim parameter stays whole: its gradient
         is averaged in place and every rank steps it."""
         reduced: dict[int, Tensor] = {}
-        params = [p for p in self.params() if not self.whole(p)]
+        params = [p for p in self.params() if self.experts(p) is None]  # (the experts': reduced already, whole)
         has = [p.grad is not None for p in params]
         agreed = _collectives.any_over_group(has, self.group) if self.size > 1 else has
         for p, mine, anyone in zip(params, has, agreed):
@@ -130,7 +152,7 @@ class ShardedOptimizer:
             out.div_(self.size)
             offset = 0
             for p, c in zip(same, chunks):
-                start, end = self._bounds(p, self.rank)
+                start, end = self._bounds(p)
                 reduced[id(p)] = out[offset : offset + end - start]
                 offset += c
                 p.grad = None
@@ -151,16 +173,15 @@ class ShardedOptimizer:
             self._cut.add(id(p))
 
     def _sharded(self) -> list[nn.Parameter]:
-        return [p for p in self.params() if local(p).dim() > 0 and not self.whole(p)]
+        return [p for p in self.params() if local(p).dim() > 0]
 
     @property
     def open(self) -> bool:
         return bool(self._originals)
 
     def is_whole(self, p: Tensor) -> bool:
-        """A 0-dim parameter of this optimizer: not cut, the same gradient on every dp rank (an expert, also not
-        cut, is another rank's on each rank of its ep group: the norm counts it apart)."""
-        return local(p).dim() == 0 and not self.whole(p) and any(p is q for q in self.params())
+        """A 0-dim parameter of this optimizer: not cut, the same gradient on every dp rank."""
+        return local(p).dim() == 0 and self.experts(p) is None and any(p is q for q in self.params())
 
     @contextmanager
     def window(self, reduced: dict[int, Tensor]) -> Iterator[None]:
@@ -174,11 +195,13 @@ class ShardedOptimizer:
         try:
             self._cut_whole_state()
             for p in self._sharded():
-                start, end = self._bounds(p, self.rank)
+                start, end = self._bounds(p)
                 data = local(p.data)
                 chunk = data.view(-1)[start:end] if data.is_contiguous() else data.reshape(-1)[start:end].clone()
                 views[id(p)] = nn.Parameter(chunk)
                 views[id(p)].grad = reduced.get(id(p))
+                if self.experts(p) is not None and p.grad is not None:  # reduced whole: this rank's chunk of it
+                    views[id(p)].grad, p.grad = self.cut(p, p.grad).clone(), None
                 if not data.is_contiguous():
                     copied.append(p)
             self._originals = {id(v): p for p in self._sharded() for v in [views[id(p)]]}
@@ -198,7 +221,7 @@ class ShardedOptimizer:
             self._originals = {}
         with torch.no_grad():
             for p in copied:
-                start, end = self._bounds(p, self.rank)
+                start, end = self._bounds(p)
                 flat = local(p.data).reshape(-1).clone()
                 flat[start:end] = views[id(p)].data
                 local(p.data).copy_(flat.view_as(local(p.data)))
@@ -210,10 +233,18 @@ class ShardedOptimizer:
         return self._originals.get(id(p), p)
 
     def all_gather_parameters_(self) -> None:
-        for same in _collectives.by_dtype(self._sharded()).values():
+        by_axis: dict[Axis, list[nn.Parameter]] = {}
+        for p in self._sharded():
+            by_axis.setdefault(self.axis(p), []).append(p)
+        for axis, params in by_axis.items():
+            if axis.size > 1:
+                self._all_gather(params, axis)
+
+    def _all_gather(self, params: list[nn.Parameter], axis: Axis) -> None:
+        for same in _collectives.by_dtype(params).values():
             chunks = [self._chunk(p) for p in same]
             mine = torch.cat([_padded(self.cut(p, p.data), c) for p, c in zip(same, chunks)])
-            rows, offset = _collectives.all_gather_flat(mine, self.group).view(self.size, -1), 0
+            rows, offset = _collectives.all_gather_flat(mine, axis.group).view(axis.size, -1), 0
             with torch.no_grad():
                 for p, c in zip(same, chunks):
                     data = local(p.data)
@@ -247,11 +278,11 @@ class ShardedOptimizer:
         offset = (0,) * p.dim()
         if isinstance(p, DTensor):
             _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        start, _ = self._bounds(p, self.rank)
+        start, _ = self._bounds(p)
         return FlatChunk(chunk, start, tuple(local(p).shape), tuple(offset), tuple(p.shape))
 
     def _gather(self, p: Tensor, chunk: Tensor) -> Tensor:
-        out = _collectives.all_gather_flat(_padded(chunk, self._chunk(p)), self.group)
+        out = _collectives.all_gather_flat(_padded(chunk, self._chunk(p)), self.axis(p).group)
         shaped = out[: local(p).numel()].view_as(local(p))
         if isinstance(p, DTensor):
             return DTensor.from_local(

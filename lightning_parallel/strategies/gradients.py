@@ -146,8 +146,9 @@ def clip_norm_(
     (:func:`counts_in_norm`) summed over tp, pp and, where each rank holds a chunk of every gradient (a ZeRO
     window, FSDP2), dp. Returns ``total``."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    experts = plan.expert_ids()  # every expert counts once, on its rank of the ep group
-    counted = [local(p.grad) for p in params if id(p) not in experts
+    experts = plan.expert_ids()  # every expert counts once, on its rank of the ep group (a chunk: of its replicas)
+    expert = {id(p) for p in params if id(_original(p, shards.values())) in experts}
+    counted = [local(p.grad) for p in params if id(p) not in expert
                and counts_in_norm(plan, _original(p, shards.values()), shards.values())]  # fmt: skip
     chunked = any(s.open for s in shards.values()) or plan.dp_mode == "full"
     groups = [g for g in (plan.group(TP), plan.group(PP), plan.group(DP) if chunked else None) if g is not None]
@@ -160,9 +161,11 @@ def clip_norm_(
     for group in groups:
         squares = _collectives.sum_of_squares(squares, group)
     if plan.experts is not None:
-        mine = [torch.linalg.vector_norm(local(p.grad), 2) for p in params if id(p) in experts]
+        mine = [torch.linalg.vector_norm(local(p.grad), 2) for p in params if id(p) in expert]
         expert_squares = torch.stack(mine).pow(2).sum() if mine else torch.zeros_like(squares)
         expert_squares = _collectives.sum_of_squares(expert_squares.to(squares), plan.experts.group)
+        if any(s.open for s in shards.values()) and plan.experts.replica_count > 1:  # ZeRO's chunks of them
+            expert_squares = _collectives.sum_of_squares(expert_squares, plan.experts.replicas)
         if plan.group(PP) is not None:  # each stage's experts (over tp they are whole: counted once)
             expert_squares = _collectives.sum_of_squares(expert_squares, plan.group(PP))
         squares = squares + expert_squares

@@ -35,6 +35,13 @@ LAYOUTS = {
         2,
         2,
     ),
+    "dp4zeroep2": (
+        lambda: HybridParallelStrategy(
+            data_parallel_size=4, expert_parallel_size=2, data_parallel_sharding="optimizer"
+        ),
+        4,
+        4,
+    ),
     "dp2fullep2": (
         lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, data_parallel_sharding="full"),
         2,

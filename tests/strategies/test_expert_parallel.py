@@ -265,26 +265,26 @@ def test_a_bad_size_is_refused_when_the_strategy_is_built():
 
 # ------------------------------------------------------------------------------ with ZeRO over the rest
 class _ZeroChunksTheRest(L.Callback):
-    """After the first step: AdamW's state of every parameter but the experts is this dp rank's 1-D chunk; the
-    experts' is whole (their local experts')."""
+    """After the first step: AdamW's state of every parameter is this rank's 1-D chunk: of dp chunks, an expert's
+    of as many as the ranks holding it (its replicas; one with ep = dp)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx:
             return
-        state, dp = trainer.optimizers[0].state, trainer.strategy.parallel_dims.dp
+        state, plan = trainer.optimizers[0].state, trainer.strategy._gradient_plan
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-        experts = trainer.strategy._gradient_plan.expert_ids()
+        experts = plan.expert_ids()
         seen = {True: 0, False: 0}
         for p in pl_module.parameters():
             if p not in state or p.dim() == 0:
                 continue
-            moment = local(state[p]["exp_avg"])
+            moment, n = local(state[p]["exp_avg"]), local(p).numel()
             if id(p) in experts:
-                assert moment.shape == local(p).shape, (tuple(moment.shape), tuple(local(p).shape))
+                rank, size = plan.experts.replica, plan.experts.replica_count
             else:
-                n, rank = local(p).numel(), trainer.strategy.coordinate["dp"]
-                chunk = -(-n // dp)  # this rank's of dp chunks of ceil(n / dp) elements (the last shorter)
-                assert moment.dim() == 1 and moment.numel() == min(chunk, max(0, n - rank * chunk)), moment.shape
+                rank, size = trainer.strategy.coordinate["dp"], trainer.strategy.parallel_dims.dp
+            chunk = -(-n // size)  # this rank's of ``size`` chunks of ceil(n / size) elements (the last shorter)
+            assert moment.dim() == 1 and moment.numel() == min(chunk, max(0, n - rank * chunk)), moment.shape
             seen[id(p) in experts] += 1
         assert seen[True] and seen[False], seen
 
@@ -294,16 +294,17 @@ class _ZeroChunksTheRest(L.Callback):
     ["dp2", pytest.param("dp4", marks=pytest.mark.slow), pytest.param("pp2dp2", marks=pytest.mark.slow),
      pytest.param("tp2dp2", marks=pytest.mark.slow), "home"],
 )  # fmt: skip
-def test_ep2_with_zero_over_the_other_parameters_trains_as_one_process(layout):
+def test_ep2_with_zero_trains_as_one_process(layout):
     """data_parallel_sharding='optimizer' with ep=2: ZeRO cuts every parameter but the experts over dp (its
-    reduce-scatter and all-gather), the experts stay 1/ep per rank, each stepped whole by its rank (their gradient
-    reduced over the ranks holding them); dp=4 with clipping (SGD), pipeline and tensor parallelism, the home-written
-    mixture."""
+    reduce-scatter and all-gather), each rank's experts over the ranks holding the same ones (their gradient reduced
+    whole over them first, then cut; dp=4: two replicas); dp=4 with clipping (SGD: the experts' chunks in the norm),
+    pipeline and tensor parallelism, the home-written mixture."""
     zero = dict(data_parallel_sharding="optimizer", expert_parallel_size=2)
     checks = lambda: [_HoldsItsExperts(), _ZeroChunksTheRest()]  # noqa: E731
     if layout == "dp4":
         make = lambda: HybridParallelStrategy(data_parallel_size=4, **zero)  # noqa: E731
         assert_parity(MOE_ROW, make, 4, data_parallel_size=4, optimizer="sgd", gradient_clip_val=0.05)
+        assert_parity(MOE_ROW, make, 4, data_parallel_size=4, callbacks=checks)  # (AdamW: its state checked)
     elif layout == "pp2dp2":
         make = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, **zero)  # noqa: E731
         assert_parity(MOE_ROW, make, 4, data_parallel_size=2, callbacks=checks)
@@ -396,10 +397,10 @@ def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2", "dp2zeroep2", "dp2fullep2"])
+@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2", "dp2zeroep2", "dp4zeroep2", "dp2fullep2"])
 def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout):
-    """Saved under pipeline, tensor or sequence parallelism, ZeRO or FSDP2 with ep=2, the checkpoint equals dp=2's
-    (each expert once, whole, with its AdamW state)."""
+    """Saved under pipeline, tensor or sequence parallelism, ZeRO (dp=4: the experts' state in chunks over their two
+    replicas) or FSDP2 with ep=2, the checkpoint equals dp=2's (each expert once, whole, with its AdamW state)."""
     from lightning_parallel.checkpoint import load_sharded
     from tests.strategies.test_checkpoints import _assert_close, _run
 
@@ -415,7 +416,8 @@ def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout
     ("layout", "model"),
     [("dp2ep2", MOE), pytest.param("dp2ep2", "home:moe", marks=pytest.mark.slow),
      pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow), pytest.param("sp2ep2", MOE, marks=pytest.mark.slow),
-     pytest.param("dp2zeroep2", MOE, marks=pytest.mark.slow), pytest.param("dp2fullep2", MOE, marks=pytest.mark.slow)],
+     pytest.param("dp2zeroep2", MOE, marks=pytest.mark.slow), pytest.param("dp4zeroep2", MOE, marks=pytest.mark.slow),
+     pytest.param("dp2fullep2", MOE, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout, model):
     from tests.strategies.test_checkpoints import _assert_close, _run
