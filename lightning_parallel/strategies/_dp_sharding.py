@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_parallel import _collectives
 from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.expert_parallel import EP_AXIS, REPLICA_AXIS, find_experts
 from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP
 from lightning_parallel.strategies import _sharding
@@ -88,6 +89,7 @@ class DataParallelShardingMixin(ParallelStrategy):
     _gradient_plan: Any
     _experts: Any
     _shard_experts: Callable[[], None]
+    _plan_gradients: Callable[[], Any]
     parallel_dims: Any
     coordinate: dict[str, int]
     dp_group: Any
@@ -134,8 +136,9 @@ class DataParallelShardingMixin(ParallelStrategy):
         mesh = self._mesh[DP]
         self._dp.fsdp_root = fully_shard_model(
             lm, held, mesh, before=materialize_unit, exclude=freed, outer=self.parallel_dims.pp == 1,
-            ignored=self._expert_params,
+            ignored=self._expert_params, inner=self._fully_shard_experts,
         )  # fmt: skip
+        self._experts_refreshed()
 
     def _fully_shard_built(self, lm: LightningModule) -> None:
         """Full sharding of a model built eagerly (after the set-up broadcast, which must see whole tensors)."""
@@ -146,8 +149,10 @@ class DataParallelShardingMixin(ParallelStrategy):
         freed = [b for b in blocks if b not in held]
         self._shard_experts()  # each rank's experts by ep first: FSDP2 leaves them out
         self._dp.fsdp_root = fully_shard_model(
-            lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1, ignored=self._expert_params
-        )
+            lm, held, self._mesh[DP], exclude=freed, outer=self.parallel_dims.pp == 1, ignored=self._expert_params,
+            inner=self._fully_shard_experts,
+        )  # fmt: skip
+        self._experts_refreshed()
 
     @property
     def _shards_after_commit(self) -> bool:
@@ -185,11 +190,12 @@ class DataParallelShardingMixin(ParallelStrategy):
             layer.commit_all(x, cap.block_args)
             before = dict(lm.named_parameters())  # the commits' shards (the optimizers hold these now)
             mesh, outer = self._mesh[DP], self.parallel_dims.pp == 1
-            self._dp.fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer,
-                                                   ignored=self._expert_params)  # fmt: skip
+            experts = dict(ignored=self._expert_params, inner=self._fully_shard_experts)
+            self._dp.fsdp_root = fully_shard_model(lm, held, mesh, exclude=freed, outer=outer, **experts)
         after = dict(lm.named_parameters())
         replaced = [(before[n], after[n], n) for n in before if after[n] is not before[n]]
         replace_parameters(self.optimizers, replaced, self._as_fsdp_shard)  # restored state: sharded alike
+        self._experts_refreshed()
         new_of = {id(old): new for old, new, _ in replaced}
         for part in (layer.layouts.tp, layer.layouts.sp):
             if part is not None:
@@ -199,11 +205,17 @@ class DataParallelShardingMixin(ParallelStrategy):
         """Optimizer state (restored before the first step) of a parameter FSDP2 has just sharded, cut like it:
         FSDP2 cuts each rank's local tensor (its tensor-parallel shard, or the whole tensor) in dim 0 into dp
         chunks as ``torch.chunk`` does and keeps chunk ``dp rank``, so the state's local tensor is cut the same
-        way (no communication)."""
+        way (no communication); an expert's (its ep shard) into as many chunks as ranks hold it."""
         if not (torch.is_tensor(value) and isinstance(like, DTensor) and value.dim() and value.shape == like.shape):
             return value
-        mine, rank = local(value), self.coordinate[DP]
-        chunks = mine.chunk(self.parallel_dims.dp, dim=0)
+        mine, rank, size = local(value), self.coordinate[DP], self.parallel_dims.dp
+        experts = self._experts.layout
+        if experts is not None and REPLICA_AXIS in (like.device_mesh.mesh_dim_names or ()):
+            # an expert FSDP2 cut over the ranks holding it: this rank's experts (the ep shard), cut over those
+            if not isinstance(value, DTensor):
+                mine = value.chunk(experts.size)[self._experts.mesh[EP_AXIS].get_local_rank()]
+            rank, size = experts.replica, experts.replica_count
+        chunks = mine.chunk(size, dim=0)
         piece = chunks[rank] if rank < len(chunks) else mine.new_empty((0, *mine.shape[1:]))
         return DTensor.from_local(piece.contiguous().to(like.device), like.device_mesh, like.placements,
                                   run_check=False, shape=like.shape, stride=like.stride())  # fmt: skip
@@ -257,6 +269,26 @@ class DataParallelShardingMixin(ParallelStrategy):
             return discover_trunk(lm, self._trunk_path)
         except ValueError:
             return None
+
+    def _fully_shard_experts(self, unit: list[torch.nn.Module]) -> None:
+        """Expert FSDP (:mod:`lightning_parallel.strategies._full_shard`): each experts module of ``unit`` its own
+        FSDP2 unit over the ranks holding the same experts, when there are several."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = self._experts.mesh
+        if mesh is None or mesh[REPLICA_AXIS].size() == 1:
+            return
+        for module in unit:
+            for _, experts in find_experts(module):
+                if not isinstance(experts, FSDPModule) and not any(p.is_meta for p in experts.parameters()):
+                    fully_shard(experts, mesh=mesh[REPLICA_AXIS])
+                    experts.set_gradient_divide_factor(float(self.parallel_dims.dp))  # type: ignore[operator]
+
+    def _experts_refreshed(self) -> None:
+        """The experts' parameters (FSDP2's now, where it sharded them) in the layout and the gradient plan."""
+        self._experts.shard(self.lightning_module, lambda replaced: None)
+        if self._gradient_plan is not None:
+            self._gradient_plan = self._plan_gradients()
 
     def _expert_params(self) -> set[torch.nn.Parameter]:
         """Expert parallelism's experts, this rank's and (of a home-written mixture) the others' on meta: FSDP2

@@ -28,9 +28,13 @@ stacks shard them at their commit, which verifies each stack on a copy of the bl
 cannot be copied), so set-up shards nothing under this layout and the strategy commits every block before
 the first step or evaluation runs, then calls :func:`fully_shard_model`.
 
-With expert parallelism the experts are left out of every unit (``ignored_params``): they are sharded by expert
-over the ep ranks already (1/ep per rank), their gradients reduced over the ranks holding the same experts
-(:mod:`lightning_parallel.strategies.gradients`); FSDP2 shards the rest over dp.
+With expert parallelism the experts are sharded by expert over the ep ranks already (1/ep per rank), and FSDP2
+cannot shard a DTensor of that mesh over dp (the meshes overlap). Each experts module is its own unit over the
+ranks holding the same experts (the ``dp·sp/ep`` replicas of an ep group; torchtitan's expert FSDP over
+``dp_shard_mod_ep``), whose reduce-scatter sums their gradients and divides by dp (``set_gradient_divide_factor``:
+each replica's gradient is its ep group's tokens' sum, and the step's is their mean over dp); with a single
+replica, and for a home-written mixture's experts, they are left out of the units (``ignored_params``), their
+gradients reduced by :mod:`lightning_parallel.strategies.gradients`. FSDP2 shards the rest over dp.
 
 Refused: helix (its runtime calls the parts of a block cut at its attention call, where FSDP2's hooks need
 whole module calls); ``data_parallel_sharding="optimizer"`` composes with it.
@@ -53,6 +57,7 @@ def fully_shard_model(
     exclude: list[nn.Module] = (),  # type: ignore[assignment]
     outer: bool = True,
     ignored: Callable[[], set[nn.Parameter]] = set,
+    inner: Optional[Callable[[list[nn.Module]], None]] = None,
 ) -> list[nn.Module]:
     """Apply ``fully_shard`` to ``blocks`` and to the modules of ``module`` outside them that hold
     parameters, tie them under an initialised root; return the root (keep a reference). ``before(unit)``
@@ -61,7 +66,9 @@ def fully_shard_model(
     ``outer=False``: no units outside the blocks (under pipeline parallelism the stages shard those
     themselves, over dp x pp: :mod:`lightning_parallel.strategies._stage_local`). ``ignored()``: parameters FSDP2
     leaves as they are (expert parallelism's experts, sharded by expert over the ep ranks: each rank holds other
-    experts), asked after ``before(unit)`` (a unit materialised there has its experts sharded then)."""
+    experts), asked after ``before(unit)`` (a unit materialised there has its experts sharded then). ``inner(unit)``
+    runs after ``before(unit)``: it shards modules inside the unit on their own axis first (expert parallelism's
+    experts over the ranks holding the same experts), which the unit then leaves to them."""
     from torch.distributed.fsdp import fully_shard
 
     inside = {id(m) for b in [*blocks, *exclude] for m in b.modules()}
@@ -108,6 +115,8 @@ def fully_shard_model(
     for unit in [*([b] for b in blocks), *outer_units]:
         if before is not None:
             before(unit)
+        if inner is not None:
+            inner(unit)
         mine = {id(p) for m in unit for p in m.parameters()}
         skip = {p for p in ignored() if id(p) in mine}
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, ignored_params=skip or None)

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel import _collectives
 from lightning_parallel.blocks import Layouts
+from lightning_parallel.expert_parallel import REPLICA_AXIS
 from lightning_parallel.mesh import DP, PP, SP, TP, ParallelDims
 from lightning_parallel.strategies._experts import ExpertLayout
 from lightning_parallel.strategies._full_shard import is_fully_sharded
@@ -57,6 +58,14 @@ class GradientPlan:
     @functools.cached_property
     def _expert_ids(self) -> frozenset[int]:
         return frozenset(id(p) for p in self.experts.params) if self.experts is not None else frozenset()
+
+    @functools.cached_property
+    def fsdp_experts(self) -> frozenset[int]:
+        """The experts FSDP2 shards over the ranks holding them (its reduce-scatter reduces their gradients)."""
+        params = self.experts.params if self.experts is not None else []
+        return frozenset(
+            id(p) for p in params if isinstance(p, DTensor) and REPLICA_AXIS in (p.device_mesh.mesh_dim_names or ())
+        )
 
     def group(self, axis: str) -> Any:
         """The group of ``axis`` when it has more than one rank, else ``None``."""
@@ -102,9 +111,10 @@ def sync_(optimizer: Optimizer, plan: GradientPlan, step: StepGradients) -> Opti
     # holding the same experts is every replica's, divided by dp their mean
     if experts:
         assert plan.experts is not None
-        _sum_used_([p for p in params if id(p) in experts], plan.experts.replicas, mean=False)
-        for p in params:
-            if id(p) in experts and p.grad is not None:
+        held = [p for p in params if id(p) in experts and id(p) not in plan.fsdp_experts]  # (FSDP2's: reduced)
+        _sum_used_(held, plan.experts.replicas, mean=False)
+        for p in held:
+            if p.grad is not None:
                 local(p.grad).div_(plan.experts.dp)
         params = [p for p in params if id(p) not in experts]
     # 5. dp: the mean over the replicas, as each data-parallel mode holds the gradients
@@ -164,7 +174,8 @@ def clip_norm_(
         mine = [torch.linalg.vector_norm(local(p.grad), 2) for p in params if id(p) in expert]
         expert_squares = torch.stack(mine).pow(2).sum() if mine else torch.zeros_like(squares)
         expert_squares = _collectives.sum_of_squares(expert_squares.to(squares), plan.experts.group)
-        if any(s.open for s in shards.values()) and plan.experts.replica_count > 1:  # ZeRO's chunks of them
+        chunks = any(s.open for s in shards.values()) or plan.fsdp_experts  # ZeRO's or FSDP2's chunks of them
+        if chunks and plan.experts.replica_count > 1:
             expert_squares = _collectives.sum_of_squares(expert_squares, plan.experts.replicas)
         if plan.group(PP) is not None:  # each stage's experts (over tp they are whole: counted once)
             expert_squares = _collectives.sum_of_squares(expert_squares, plan.group(PP))

@@ -42,6 +42,25 @@ LAYOUTS = {
         4,
         4,
     ),
+    "dp4fullep2": (
+        lambda: HybridParallelStrategy(data_parallel_size=4, expert_parallel_size=2, data_parallel_sharding="full"),
+        4,
+        4,
+    ),
+    "sp2dp2fullep2": (
+        lambda: HybridParallelStrategy(
+            sequence_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, data_parallel_sharding="full"
+        ),
+        4,
+        2,
+    ),
+    "dp4sp2fullep4": (
+        lambda: HybridParallelStrategy(
+            sequence_parallel_size=2, data_parallel_size=4, expert_parallel_size=4, data_parallel_sharding="full"
+        ),
+        8,
+        4,
+    ),
     "dp2fullep2": (
         lambda: HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, data_parallel_sharding="full"),
         2,

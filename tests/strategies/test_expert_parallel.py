@@ -23,8 +23,9 @@ def _ep2(dp: int = 2) -> object:
 
 
 class _HoldsItsExperts(L.Callback):
-    """Each rank holds num_experts / ep of every experts module it runs, as DTensors sharded by expert; of a
-    home-written mixture, num_experts / ep experts (the others on meta). Checked after the first step."""
+    """Each rank holds num_experts / ep of every experts module it runs, as DTensors sharded by expert (and under
+    FSDP2, over the ranks holding the same experts); of a home-written mixture, num_experts / ep experts (the others
+    on meta). Checked after the first step."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx:
@@ -36,8 +37,9 @@ class _HoldsItsExperts(L.Callback):
                 listed.setdefault(found[1], {})[found[2]] = p.is_meta
         listed = {m: experts for m, experts in listed.items() if not all(experts.values())}  # (another stage's)
         assert sharded or listed, "no expert was sharded"
-        for p in sharded:
-            assert p.to_local().shape[0] * 2 == p.shape[0], (tuple(p.to_local().shape), tuple(p.shape))
+        for p in sharded:  # (by expert over ep; under FSDP2 with several replicas, over them too)
+            cut = 2 * (p.device_mesh.size(0) if p.device_mesh.ndim == 2 else 1)
+            assert p.to_local().shape[0] * cut == p.shape[0], (tuple(p.to_local().shape), tuple(p.shape))
         for experts in listed.values():
             assert sum(experts.values()) * 2 == len(experts), experts
 
@@ -319,22 +321,25 @@ def test_ep2_with_zero_trains_as_one_process(layout):
 
 # ------------------------------------------------------------------------------ with FSDP2 over the rest
 class _FullyShardsTheRest(L.Callback):
-    """After the first step: every expert parameter left out by FSDP2 (a DTensor on the ep mesh alone), every other
-    parameter of the blocks (and, without a pipeline, outside them) one of FSDP2's over dp."""
+    """After the first step: every expert parameter sharded by FSDP2 over the ranks holding the same experts, with
+    several of them (a DTensor on their mesh and the ep mesh), left out by FSDP2 otherwise (on the ep mesh alone; a
+    home-written mixture's: plain tensors); every other parameter of the blocks one of FSDP2's over dp."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from lightning_parallel.expert_parallel import EP_AXIS
+        from lightning_parallel.expert_parallel import EP_AXIS, REPLICA_AXIS
 
         if batch_idx:
             return
-        experts = trainer.strategy._gradient_plan.expert_ids()
+        plan = trainer.strategy._gradient_plan
+        experts = plan.expert_ids()
+        routed = (REPLICA_AXIS, EP_AXIS) if plan.experts.replica_count > 1 else (EP_AXIS,)
         seen = {True: 0, False: 0}
         for name, p in pl_module.named_parameters():
             if p.is_meta:
                 continue
             names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
-            if id(p) in experts:  # (a home-written mixture's: its own experts, plain tensors)
-                assert names in ((EP_AXIS,), ()), (name, names)
+            if id(p) in experts:
+                assert names in (routed, ()), (name, names)
             elif ".layers." in name or ".stack." in name:
                 assert "dp" in names, (name, names)
             seen[id(p) in experts] += 1
@@ -355,9 +360,10 @@ def test_ep2_with_fsdp2_over_the_other_parameters_trains_as_one_process(layout):
     materialises, before FSDP2 shards the rest)."""
     full = dict(data_parallel_sharding="full", expert_parallel_size=2)
     checks = lambda: [_HoldsItsExperts(), _FullyShardsTheRest()]  # noqa: E731
-    if layout == "dp4":
+    if layout == "dp4":  # two replicas of each ep group: the experts FSDP2's over them
         make = lambda: HybridParallelStrategy(data_parallel_size=4, **full)  # noqa: E731
         assert_parity(MOE_ROW, make, 4, data_parallel_size=4, optimizer="sgd", gradient_clip_val=0.05)
+        assert_parity(MOE_ROW, make, 4, data_parallel_size=4, callbacks=checks)
         return
     make = {
         "pp2dp2": lambda: PipelineParallelStrategy(
@@ -397,10 +403,13 @@ def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2", "dp2zeroep2", "dp4zeroep2", "dp2fullep2"])
+@pytest.mark.parametrize(
+    "layout", ["pp2dp2ep2", "tp2dp2ep2", "sp2ep2", "dp2zeroep2", "dp4zeroep2", "dp2fullep2", "dp4fullep2"]
+)
 def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout):
-    """Saved under pipeline, tensor or sequence parallelism, ZeRO (dp=4: the experts' state in chunks over their two
-    replicas) or FSDP2 with ep=2, the checkpoint equals dp=2's (each expert once, whole, with its AdamW state)."""
+    """Saved under pipeline, tensor or sequence parallelism, ZeRO or FSDP2 with ep=2 (dp=4: the experts' state, and
+    under FSDP2 the experts, in chunks over their two replicas), the checkpoint equals dp=2's (each expert once,
+    whole, with its AdamW state)."""
     from lightning_parallel.checkpoint import load_sharded
     from tests.strategies.test_checkpoints import _assert_close, _run
 
@@ -417,7 +426,9 @@ def test_a_composed_ep_checkpoint_equals_plain_data_parallelism(tmp_path, layout
     [("dp2ep2", MOE), pytest.param("dp2ep2", "home:moe", marks=pytest.mark.slow),
      pytest.param("pp2dp2ep2", MOE, marks=pytest.mark.slow), pytest.param("sp2ep2", MOE, marks=pytest.mark.slow),
      pytest.param("dp2zeroep2", MOE, marks=pytest.mark.slow), pytest.param("dp4zeroep2", MOE, marks=pytest.mark.slow),
-     pytest.param("dp2fullep2", MOE, marks=pytest.mark.slow)],
+     pytest.param("dp2fullep2", MOE, marks=pytest.mark.slow), pytest.param("dp4fullep2", MOE, marks=pytest.mark.slow),
+     pytest.param("sp2dp2fullep2", MOE, marks=pytest.mark.slow),  # (FSDP2 after the commits: state cut then)
+     pytest.param("dp4sp2fullep4", MOE, marks=pytest.mark.slow)],  # (two replicas of each expert, dp=4)
 )  # fmt: skip
 def test_resume_under_ep2_continues_the_straight_run_exactly(tmp_path, layout, model):
     from tests.strategies.test_checkpoints import _assert_close, _run
