@@ -1,6 +1,7 @@
 """Expert parallelism: a mixture's experts sharded over the ranks of an expert-parallel group, each token sent to
 its experts' ranks and back by all-to-all with variable splits (GShard, Lepikhin et al., arXiv 2006.16668, §2;
-dropless as MegaBlocks, Gale et al., arXiv 2211.15841: no capacity factor, no token dropped).
+dropless as MegaBlocks, Gale et al., arXiv 2211.15841: no capacity factor, no token dropped). Which modules are
+experts is the anatomy's knowledge (:mod:`lightning_parallel.anatomy.experts`); this module is the mechanism.
 
 The cut is the experts module's call ``experts(hidden (N, H), top_k_index (N, k), top_k_weights (N, k))``
 (transformers 5's mixtures: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS), made after the model's own router has
@@ -105,41 +106,18 @@ def _joined(out: Tensor, rows: Tensor, params: Iterator[nn.Parameter]) -> Tensor
     return out
 
 
-def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's experts modules: a ``num_experts`` count, parameters stacked by expert (dim 0 of that size) and
-    a forward called as ``experts(hidden, top_k_index, top_k_weights)`` (transformers 5's mixtures; GPT-OSS names
-    them ``router_indices``, ``routing_weights``); those sharded already (:func:`shard_experts`) included."""
-    found = []
-    for name, module in model.named_modules():
-        count = getattr(module, "num_experts", None)
-        if not isinstance(count, int):
-            continue
-        if isinstance(module.forward, ExpertParallelForward):  # sharded already (its count is its local experts')
-            found.append((name, module))
-            continue
-        if _routed(module) or _dense(module):
-            found.append((name, module))
-    return found
-
-
-def _routed(module: nn.Module) -> bool:
-    """Called as ``experts(hidden, top_k_index, top_k_weights)`` (module docstring)."""
+def is_dense(module: nn.Module) -> bool:
+    """Dense stacked experts (:mod:`lightning_parallel.anatomy.experts`): called as ``experts(rows)``, every own
+    parameter stacked by expert, weights 3-D (not a router's ``(E, H)`` weight)."""
     params = list(inspect.signature(type(module).forward).parameters)[1:]
-    routed = len(params) >= 3 and "ind" in params[1] and "weight" in params[2]
-    return routed and bool(_stacked(module, module.num_experts))
+    own = list(module.parameters(recurse=False))
+    whole = own and len(stacked(module, module.num_experts)) == len(own) and any(p.dim() >= 3 for p in own)
+    return len(params) == 1 and bool(whole)
 
 
-def _dense(module: nn.Module) -> bool:
-    """Called as ``experts(rows)`` on ``num_experts`` equal blocks of rows, block e for expert e (Llama 4: every
-    token's hidden state scaled by its score for each expert, zero where not chosen)."""
-    params = list(inspect.signature(type(module).forward).parameters)[1:]
-    own = list(module.parameters(recurse=False))  # every one stacked, weights 3-D (not a router's (E, H) weight)
-    stacked = own and len(_stacked(module, module.num_experts)) == len(own) and any(p.dim() >= 3 for p in own)
-    return len(params) == 1 and bool(stacked)
-
-
-def _stacked(module: nn.Module, num_experts: int) -> list[str]:
-    """The module's own parameters stacked by expert (dim 0 of size ``num_experts``)."""
+def stacked(module: nn.Module, num_experts: int) -> list[str]:
+    """The module's own parameters stacked by expert (dim 0 of size ``num_experts``): what :func:`shard_experts`
+    cuts."""
     return [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == num_experts]
 
 
@@ -197,7 +175,7 @@ class ExpertParallelForward:
     def __init__(self, module: nn.Module, num_experts: int, mesh: DeviceMesh, replicas: Any = None) -> None:
         self.module, self.num_experts, self.mesh = module, num_experts, mesh
         self.replicas = replicas  # the group of the ranks holding the same experts (:func:`over_replicas`)
-        self.dense = len(inspect.signature(type(module).forward).parameters) == 2  # (self, rows): see _dense
+        self.dense = len(inspect.signature(type(module).forward).parameters) == 2  # (self, rows): is_dense
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
@@ -240,25 +218,6 @@ class ExpertParallelForward:
 
 
 # ------------------------------------------------------------------------------ a home-written mixture
-def find_expert_lists(model: nn.Module) -> list[tuple[str, nn.Module, nn.ModuleList]]:
-    """The model's home-written mixtures: a module with an ``nn.ModuleList`` child of ``E >= 2`` experts of one
-    class and one parameter layout, and a router ``nn.Linear`` with ``E`` outputs among its other children;
-    those cut already (:func:`shard_expert_list`) included."""
-    found = []
-    for name, module in model.named_modules():
-        for child in module.children():
-            if isinstance(child, nn.ModuleList) and len(child) >= 2 and _alike(child):
-                routers = [c for c in module.children() if isinstance(c, nn.Linear) and c.out_features == len(child)]
-                if routers:
-                    found.append((name, module, child))
-    return found
-
-
-def _alike(experts: nn.ModuleList) -> bool:
-    layouts = {(type(e), tuple((n, tuple(p.shape)) for n, p in e.named_parameters())) for e in experts}
-    return len(layouts) == 1 and bool(next(iter(layouts))[1])
-
-
 class _ExpertCall(Shared):
     """An expert of a cut mixture: its call is answered by the mixture's :class:`ListExperts`."""
 
@@ -396,7 +355,7 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, replicas: Any = None) -> 
     ep, rank = mesh.size(), mesh.get_local_rank()
     check_experts(total, ep, type(module).__name__)
     per_rank = total // ep
-    names = _stacked(module, total)
+    names = stacked(module, total)
     for name in names:
         whole = getattr(module, name)
         # a copy: a view would keep the whole tensor alive (and give the DTensor its offset: deepcopy fails)
@@ -461,11 +420,11 @@ __all__ = [
     "dispatch",
     "expert_parameters",
     "experts_call",
-    "find_expert_lists",
-    "find_experts",
+    "is_dense",
     "over_replicas",
     "route",
     "shard_expert_list",
     "shard_experts",
+    "stacked",
     "tracing",
 ]

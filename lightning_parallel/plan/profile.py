@@ -17,7 +17,7 @@ runtime makes of it:
 
 The post-trunk code and loss (head) is timed forward and backward with the trunk output substituted, the
 capture (the user's step up to the trunk) per micro-batch. A block's mixture of experts (those expert
-parallelism shards: ``expert_parallel.find_experts``, ``find_expert_lists``) is counted: its experts'
+parallelism shards: :mod:`lightning_parallel.anatomy.experts`) is counted: its experts'
 parameter bytes, their number, and the rows each token sends to them in one forward (top-k).
 
 Wall clock, not a sum of op times: the runtime pays each call's Python, autograd and allocator overheads too,
@@ -38,10 +38,11 @@ import torch
 from torch import Tensor
 
 from lightning_parallel import _p2p
+from lightning_parallel.anatomy.experts import find_expert_lists, find_experts
 from lightning_parallel.block_protocol import Split
 from lightning_parallel.blocks import BlockConfig, BlockLayer, apply_recompute
 from lightning_parallel.errors import AnatomyError
-from lightning_parallel.expert_parallel import find_expert_lists, find_experts
+from lightning_parallel.expert_parallel import stacked
 from lightning_parallel.memory import kept_at_width, kept_for_backward
 from lightning_parallel.pipeline.capture import (
     Capture,
@@ -264,7 +265,7 @@ def _experts(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> ExpertCosts | N
     finally:
         for h in hooks:
             h.remove()
-    params = [p for _, m in routed for p in m.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == m.num_experts]
+    params = [getattr(m, n) for _, m in routed for n in stacked(m, m.num_experts)]
     params += [p for _, _, experts in lists for p in experts.parameters()]
     counts = [m.num_experts for _, m in routed] + [len(experts) for _, _, experts in lists]
     return ExpertCosts(sum(p.numel() * p.element_size() for p in params), min(counts),

@@ -19,8 +19,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
+from lightning_parallel.anatomy.experts import find_experts
 from lightning_parallel.errors import ConfigurationError
-from lightning_parallel.expert_parallel import EP_AXIS, REPLICA_AXIS, find_experts
+from lightning_parallel.expert_parallel import EP_AXIS, REPLICA_AXIS
 from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP
 from lightning_parallel.strategies import _sharding

@@ -24,14 +24,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.anatomy.experts import find_expert_lists, find_experts
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.expert_parallel import (
     EP_AXIS,
     REPLICA_AXIS,
     ExpertParallelForward,
     ListExperts,
-    find_expert_lists,
-    find_experts,
     shard_expert_list,
     shard_experts,
 )

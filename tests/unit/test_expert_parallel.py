@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_parallel.anatomy.experts import find_experts
 from lightning_parallel.errors import ConfigurationError
-from lightning_parallel.expert_parallel import check_experts, find_experts, shard_experts
+from lightning_parallel.expert_parallel import check_experts, shard_experts
 from tests.helpers.distributed import run_distributed
 from tests.helpers.zoo import hf_config
 
