@@ -8,8 +8,9 @@ slowest rank's), the all-to-all's time per step under ep (the dispatch and combi
 each timed from the call to its result, and in the backward from the gradient's arrival at the exchange to its
 departure), and per rank the bytes of the experts' parameters, gradients and AdamW state against one process's
 divided by ep (the issue's bound: at most 1.05x). Then the planner's view of the same three layouts (its profile of
-this Mixtral, one process, and its preset gloo-on-CPU link): the predicted tokens/s against dp=2 beside the measured,
-its ranking, and its experts' bytes per rank under ep=2 beside the measured.
+this Mixtral, one process, and the link measured here by 2 processes: point-to-point, all-reduce, all-gather and
+all-to-all): the predicted tokens/s against dp=2 beside the measured, its ranking, its all-to-all time per step
+under ep=2 and its experts' bytes per rank, each beside the measured.
 
     python benchmarks/expert_parallel.py [--dim 256] [--experts 8] [--layers 4] [--seq-len 256] [--steps 8]
 """
@@ -148,10 +149,26 @@ def _rank(rank: int, world: int, layout: str, args: argparse.Namespace) -> tuple
     return clock.steps, clock.exchanges, clock.bytes
 
 
+def _link(rank: int, world: int) -> tuple[list[float], dict]:
+    """The link between the two processes as the planner measures it (each busy computing meanwhile)."""
+    from lightning_parallel.plan.hardware import LINK_SIZES, measure_collectives
+    from lightning_parallel.plan.links import receive_time
+
+    torch.set_num_threads(1)
+    return [receive_time(rank ^ 1, n, 5) for n in LINK_SIZES], measure_collectives(None)
+
+
 def _planned(args: argparse.Namespace) -> dict[str, Any]:
     """The planner's predictions of the three layouts (module docstring)."""
+    from dataclasses import replace
+
     from examples.data import CharDataModule
-    from lightning_parallel.plan import LINKS, Layout, Problem, predict, profile
+    from lightning_parallel.plan import Layout, Problem, predict, profile
+    from lightning_parallel.plan.hardware import LINK_SIZES, link_from_times
+
+    measured = run_distributed(_link, 2)
+    times = [max(column) for column in zip(*(r[0] for r in measured))]
+    link = replace(link_from_times(LINK_SIZES, times), **measured[0][1])
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -160,7 +177,7 @@ def _planned(args: argparse.Namespace) -> dict[str, Any]:
     module = Mixtral(args.dim, args.experts, args.layers, data.vocab_size)
     batch = next(iter(data.train_dataloader()))
     lens = [args.seq_len // 4, args.seq_len // 2, args.seq_len]
-    problem = Problem(profile(module, batch, lens), args.seq_len, args.batch, LINKS["cpu"], "adamw")
+    problem = Problem(profile(module, batch, lens), args.seq_len, args.batch, link, "adamw")
     layouts = {"dp=2": Layout(dp=2, pp=1, microbatches=1), "dp=2, ep=2": Layout(dp=2, pp=1, microbatches=1, ep=2),
                "tp=2": Layout(dp=1, pp=1, tp=2, microbatches=1)}  # fmt: skip
     return {"problem": problem, **{k: predict(problem, v) for k, v in layouts.items()}}
@@ -179,12 +196,12 @@ def main() -> None:
     print(f"Mixtral dim={args.dim}, {args.experts} experts (top-2), {args.layers} layers; global batch {args.batch} x"
           f" {args.seq_len} tokens; 2 processes x 1 thread, gloo, float32, AdamW", flush=True)  # fmt: skip
     tokens = args.batch * args.seq_len
-    rates, held = {}, {}
+    rates, held, exchanges = {}, {}, {}
     for layout in LAYOUTS:
         results = run_distributed(_rank, 2, layout, args, timeout=1800, init_process_group=False)
         step = max(sum(s[args.warmup :]) / len(s[args.warmup :]) for s, _, _ in results)
         exchange = max(sum(e[args.warmup :]) / len(e[args.warmup :]) for _, e, _ in results)
-        rates[layout], held[layout] = tokens / step, results[0][2]
+        rates[layout], held[layout], exchanges[layout] = tokens / step, results[0][2], exchange
         line = f"{layout}: {tokens / step:.0f} tokens/s (step {step * 1e3:.0f} ms)"
         if "ep" in layout:
             line += f"; all-to-all {exchange * 1e3:.0f} ms per step ({100 * exchange / step:.0f} % of the step)"
@@ -197,7 +214,7 @@ def main() -> None:
             f"ep=2, rank 0, experts' {what}: {nbytes / 2**20:.2f} MiB = {nbytes / (whole[what] / 2):.3f}x one"
             f" process's / ep ({whole[what] / 2**20:.2f} MiB / 2)"
         )
-    from lightning_parallel.plan.predict import expert_bytes
+    from lightning_parallel.plan.predict import expert_bytes, expert_exchange
 
     planned = _planned(args)
     problem, predicted = planned.pop("problem"), {k: tokens / p.step_time for k, p in planned.items()}
@@ -207,6 +224,11 @@ def main() -> None:
     ranked = lambda r: " > ".join(sorted(r, key=r.__getitem__, reverse=True))  # noqa: E731
     print(f"planner's ranking: {ranked(predicted)}; measured: {ranked(rates)}")
     layout = planned["dp=2, ep=2"].layout
+    hb = problem.costs.hidden_bytes(args.seq_len) * args.batch / 2  # one rank's micro-batch (one per step)
+    exchange = 2 * problem.costs.num_blocks * expert_exchange(problem, layout, hb)  # forward and backward
+    print(
+        f"planner, ep=2, all-to-all per step: {exchange * 1e3:.0f} ms (measured {exchanges['dp=2, ep=2'] * 1e3:.0f} ms)"
+    )
     mine = problem.costs.num_blocks * expert_bytes(problem, layout)
     print(f"planner, ep=2, experts' parameters per rank: {mine / 2**20:.2f} MiB (measured"
           f" {held['dp=2, ep=2']['parameters'] / 2**20:.2f} MiB)")  # fmt: skip

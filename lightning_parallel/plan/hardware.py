@@ -50,9 +50,11 @@ class Link:
     gloo's all-reduce on CPU costs several times its bytes over the point-to-point link); ``None``: the
     point-to-point link's, the textbook ring."""
     gather: tuple[float, float] | None = None
-    """The same for the all-gather, the reduce-scatter and the all-to-all: gloo's all-gather on CPU moves
-    several times fewer bytes per second than its all-reduce (measured: 70 ms to gather 25 MB over 2
-    processes, 20 ms to all-reduce them); ``None``: the all-reduce's."""
+    """The same for the all-gather and the reduce-scatter: gloo's all-gather on CPU moves several times fewer
+    bytes per second than its all-reduce (measured: 70 ms to gather 25 MB over 2 processes, 20 ms to all-reduce
+    them); ``None``: the all-reduce's."""
+    exchange: tuple[float, float] | None = None
+    """The same for the all-to-all (expert parallelism's dispatch and combine); ``None``: the all-gather's."""
 
     def p2p(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -74,8 +76,13 @@ class Link:
         return 0.0 if ranks <= 1 else 2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
     def all_gather(self, nbytes: float, ranks: int) -> float:
-        """Also reduce-scatter and all-to-all: ``nbytes`` is the whole tensor."""
+        """Also reduce-scatter: ``nbytes`` is the whole tensor."""
         bandwidth, latency = self.gather or self.collective or (self.bandwidth, self.latency)
+        return 0.0 if ranks <= 1 else (ranks - 1) * latency + (ranks - 1) / ranks * nbytes / bandwidth
+
+    def all_to_all(self, nbytes: float, ranks: int) -> float:
+        """Each rank's buffer of ``nbytes`` exchanged: ``(ranks - 1) / ranks`` of it to the others."""
+        bandwidth, latency = self.exchange or self.gather or self.collective or (self.bandwidth, self.latency)
         return 0.0 if ranks <= 1 else (ranks - 1) * latency + (ranks - 1) / ranks * nbytes / bandwidth
 
 
@@ -104,12 +111,14 @@ def link_from_times(sizes: Sequence[int], times: Sequence[float]) -> Link:
 def measure_collectives(
     group: Any, sizes: tuple[int, ...] = LINK_SIZES, repeats: int = 5
 ) -> dict[str, tuple[float, float]]:
-    """``Link``'s ``collective`` and ``gather``: ``(bandwidth, latency)`` of one ring step of the all-reduce and of
-    the all-gather, each from the median times over the 2-rank ``group`` at each size (:meth:`Link.all_reduce`
-    at two ranks: ``2 latency + bytes / bandwidth``; :meth:`Link.all_gather`: ``latency + bytes / 2 bandwidth``),
-    fitted with non-negative coefficients. Every rank of ``group`` calls it."""
+    """``Link``'s ``collective``, ``gather`` and ``exchange``: ``(bandwidth, latency)`` of one ring step of the
+    all-reduce, the all-gather and the all-to-all, each from the median times over the 2-rank ``group`` at each
+    size (:meth:`Link.all_reduce` at two ranks: ``2 latency + bytes / bandwidth``; :meth:`Link.all_gather` and
+    :meth:`Link.all_to_all`: ``latency + bytes / 2 bandwidth``), fitted with non-negative coefficients. Every rank
+    of ``group`` calls it."""
     out = {}
-    for field, kind, steps, share in (("collective", "all_reduce", 2, 1.0), ("gather", "all_gather", 1, 0.5)):
+    kinds = (("collective", "all_reduce", 2, 1.0), ("gather", "all_gather", 1, 0.5), ("exchange", "all_to_all", 1, 0.5))
+    for field, kind, steps, share in kinds:
         times = [links.collective_time(kind, n, repeats, group) for n in sizes]
         intercept, per_byte = (fit(list(sizes), times, 1).coef + [0.0])[:2]
         if per_byte <= 0:

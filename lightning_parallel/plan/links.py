@@ -52,15 +52,18 @@ def receive_time(peer: int, nbytes: int, repeats: int, group: ProcessGroup | Non
 def collective_time(kind: str, nbytes: int, repeats: int, group: ProcessGroup, busy: float = 0.01) -> float:
     """The median seconds of a collective over ``group`` on a tensor of ``nbytes``, each after ``busy``
     seconds of matrix products on every rank (as a tensor-parallel block computes before its all-reduce:
-    where processes share cores, the peers reach it apart): ``kind`` "all_reduce" (sum) or "all_gather"
-    (``nbytes`` the gathered whole, each rank's share in). The slowest rank's time, every rank returns it."""
+    where processes share cores, the peers reach it apart): ``kind`` "all_reduce" (sum), "all_gather"
+    (``nbytes`` the gathered whole, each rank's share in) or "all_to_all" (``nbytes`` each rank's buffer, split
+    evenly over the ranks). The slowest rank's time, every rank returns it."""
     world, device = dist.get_world_size(group), comm_device(group)
     whole = torch.zeros(max(nbytes // 4, world), dtype=torch.float32, device=device)
     share = torch.zeros(whole.numel() // world, dtype=torch.float32, device=device)
     run = {
         "all_reduce": lambda: dist.all_reduce(whole, group=group),
         "all_gather": lambda: dist.all_gather_into_tensor(whole[: share.numel() * world], share, group=group),
-    }[kind]
+        "all_to_all": lambda: dist.all_to_all_single(whole[: share.numel() * world].clone(),
+                                                     whole[: share.numel() * world], group=group),
+    }[kind]  # fmt: skip
     operand, times = torch.randn(128, 128, device=device), []
     for _ in range(repeats):
         dist.barrier(group)

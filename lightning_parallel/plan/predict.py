@@ -350,7 +350,7 @@ def expert_exchange(problem: Problem, layout: Layout, hb: float) -> float:
     experts = problem.costs.experts
     if layout.ep == 1 or experts is None:
         return 0.0
-    return 2 * problem.link.all_gather(experts.rows_per_token * hb / layout.sp, layout.ep)
+    return 2 * problem.link.all_to_all(experts.rows_per_token * hb / layout.sp, layout.ep)
 
 
 def _captures(schedule: Schedule, nbytes: Callable[[int], float]) -> Callable[[Action], float]:

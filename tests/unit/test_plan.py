@@ -191,8 +191,9 @@ def test_measure_collectives_fits_the_all_reduce_and_the_all_gather_apart(monkey
     from lightning_parallel.plan import links
     from lightning_parallel.plan.hardware import Link, measure_collectives
 
-    truth = {"collective": Link(1e9, 2e-4), "gather": Link(2e8, 5e-4)}  # one ring step of each
-    times = {"all_reduce": truth["collective"].all_reduce, "all_gather": truth["gather"].all_gather}
+    truth = {"collective": Link(1e9, 2e-4), "gather": Link(2e8, 5e-4), "exchange": Link(3e8, 7e-4)}  # a step each
+    times = {"all_reduce": truth["collective"].all_reduce, "all_gather": truth["gather"].all_gather,
+             "all_to_all": truth["exchange"].all_to_all}  # fmt: skip
     monkeypatch.setattr(links, "collective_time", lambda kind, n, repeats, group: times[kind](n, 2))
     fits = measure_collectives(None)
     for name, link in truth.items():
@@ -200,6 +201,7 @@ def test_measure_collectives_fits_the_all_reduce_and_the_all_gather_apart(monkey
     link = Link(5e9, 1e-5, **fits)
     assert link.all_reduce(1 << 22, 4) == pytest.approx(truth["collective"].all_reduce(1 << 22, 4))
     assert link.all_gather(1 << 22, 4) == pytest.approx(truth["gather"].all_gather(1 << 22, 4))
+    assert link.all_to_all(1 << 22, 4) == pytest.approx(truth["exchange"].all_to_all(1 << 22, 4))
     assert Link(5e9, 1e-5, collective=fits["collective"]).all_gather(1 << 22, 4) < link.all_gather(1 << 22, 4)
 
 
