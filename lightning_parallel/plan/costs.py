@@ -88,9 +88,13 @@ class HelixCosts:
 class ExpertCosts:
     """A block's mixture of experts: what expert parallelism shards and what its all-to-alls move."""
 
-    parameter_bytes: int  # the routed experts' parameters (part of the block's), at the profile's dtype
+    parameter_bytes: int  # one mixture block's routed experts' parameters, at the profile's dtype
     num_experts: int
     rows_per_token: float  # rows each token sends to experts (top-k; dense experts: every expert)
+    share: float = (
+        1.0  # of the trunk's blocks, those with a mixture (DeepSeek-V3's first are dense, Llama 4 interleaves)
+    )
+    in_profiled: bool = True  # whether the profiled block (block 0) is one of them (its bytes include the experts)
 
 
 @dataclass

@@ -151,7 +151,7 @@ def check(problem: Problem, layout: Layout) -> str | None:
         if (layout.dp * layout.sp) % layout.ep or experts.num_experts % layout.ep:
             return f"ep {layout.ep} must divide dp x sp = {layout.dp * layout.sp} and {experts.num_experts} experts"
         if layout.sharding != "none":
-            return "expert parallelism with data_parallel_sharding is refused"
+            return "the planner does not model expert parallelism with data_parallel_sharding yet"
     return None
 
 
@@ -328,20 +328,26 @@ def _predict_helix(problem: Problem, layout: Layout, samples: float, t: int, hb:
 
 
 def block_bytes(problem: Problem, layout: Layout) -> float:
-    """One block's parameter bytes on a rank (as stored: the profile's dtype scaled to ``parameter_bytes``),
-    its tensor-parallel shard; under ep its experts' 1/ep share, whole over tp."""
-    c = problem.costs
+    """A block's parameter bytes on a rank (as stored: the profile's dtype scaled to ``parameter_bytes``), its
+    tensor-parallel shard; of a mixture's experts a block's mean share (:class:`ExpertCosts`), 1/ep of it under ep
+    (whole over tp), else 1/tp."""
+    c, experts = problem.costs, problem.costs.experts
     scale = problem.parameter_bytes / c.dtype_bytes
-    experts = expert_bytes(problem, layout) if layout.ep > 1 else 0.0
-    return (c.block_parameter_bytes * scale - experts * layout.ep) / layout.tp + experts
+    if experts is None:
+        return c.block_parameter_bytes * scale / layout.tp
+    rest = c.block_parameter_bytes * scale - (experts.parameter_bytes * scale if experts.in_profiled else 0.0)
+    mean = expert_bytes(problem, layout) * layout.ep  # a block's mean share of the experts, whole
+    return rest / layout.tp + (mean / layout.ep if layout.ep > 1 else mean / layout.tp)
 
 
 def expert_bytes(problem: Problem, layout: Layout) -> float:
-    """One block's experts' parameter bytes on a rank under ep (as stored), 0 without a mixture."""
+    """A block's mean share of the experts' parameter bytes on a rank under ep (as stored), 0 without a
+    mixture."""
     experts = problem.costs.experts
     if experts is None:
         return 0.0
-    return experts.parameter_bytes * problem.parameter_bytes / problem.costs.dtype_bytes / layout.ep
+    whole = experts.parameter_bytes * problem.parameter_bytes / problem.costs.dtype_bytes
+    return whole * experts.share / layout.ep
 
 
 def expert_exchange(problem: Problem, layout: Layout, hb: float) -> float:
@@ -350,7 +356,7 @@ def expert_exchange(problem: Problem, layout: Layout, hb: float) -> float:
     experts = problem.costs.experts
     if layout.ep == 1 or experts is None:
         return 0.0
-    return 2 * problem.link.all_to_all(experts.rows_per_token * hb / layout.sp, layout.ep)
+    return 2 * problem.link.all_to_all(experts.rows_per_token * hb / layout.sp, layout.ep) * experts.share
 
 
 def _captures(schedule: Schedule, nbytes: Callable[[int], float]) -> Callable[[Action], float]:
@@ -405,8 +411,8 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
         allreduce = link.all_reduce(outer / layout.tp, layout.dp)
     else:
         replicas = layout.dp * layout.sp // layout.ep
-        allreduce = max(link.all_reduce(g - expert_grads[s], layout.dp) + link.all_reduce(expert_grads[s], replicas)
-                        for s, g in grads.items())  # fmt: skip
+        experts = (lambda s: link.all_reduce(expert_grads[s], replicas)) if layout.ep > 1 else (lambda s: 0.0)
+        allreduce = max(link.all_reduce(g - expert_grads[s], layout.dp) + experts(s) for s, g in grads.items())
     m = layout.microbatches
     messages = 2 * m * hb * (layout.virtual if layout.schedule != "helix" else 6 * c.num_blocks / p)
     comm_bytes = messages + 2 * max(grads.values()) * (layout.dp > 1)
@@ -414,7 +420,7 @@ def _finish(problem: Problem, layout: Layout, sim: Simulation, schedule: Schedul
         comm_bytes += 3 * max(blocks_on.values()) * block * (layout.dp - 1) / layout.dp
     comm_bytes += m * c.num_blocks / p * 4 * hb * (layout.tp > 1) + m * c.num_blocks / p * 8 * hb * (layout.sp > 1)
     if layout.ep > 1 and c.experts is not None:  # four all-to-alls of the rows per block, their share to the others
-        rows = c.experts.rows_per_token * hb / layout.sp
+        rows = c.experts.rows_per_token * hb / layout.sp * c.experts.share
         comm_bytes += m * c.num_blocks / p * 4 * rows * (layout.ep - 1) / layout.ep
     bubble = {s: sim.bubble(s) for s in range(p)}
     return Prediction(layout, sim.makespan + allreduce, bubble, peak, during, comm_bytes, sim, schedule, cost)

@@ -234,11 +234,14 @@ def _split(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> tuple[Split | Non
 
 
 def _experts(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> ExpertCosts | None:
-    """Block 0's mixture of experts (module docstring): one forward counts the rows its experts receive."""
-    block = trunk.blocks[0]
-    routed, lists = find_experts(block), find_expert_lists(block)
-    if not routed and not lists:
+    """The first mixture block's experts (module docstring; the share of the blocks with one): one forward of
+    that block counts the rows its experts receive."""
+    mixtures = [i for i, b in enumerate(trunk.blocks) if find_experts(b) or find_expert_lists(b)]
+    if not mixtures:
         return None
+    index = mixtures[0]
+    block = trunk.blocks[index]
+    routed, lists = find_experts(block), find_expert_lists(block)
     count: dict[str, float] = {"rows": 0.0, "tokens": 0.0}
 
     def on_routed(module: Any, args: tuple, kwargs: dict) -> None:
@@ -261,7 +264,7 @@ def _experts(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> ExpertCosts | N
     hooks += [e.register_forward_pre_hook(on_expert) for _, _, experts in lists for e in experts]
     try:
         with torch.no_grad():
-            block(cap.trunk_input.detach(), *cap.block_args[0][0], **cap.block_args[0][1])
+            block(cap.trunk_input.detach(), *cap.block_args[index][0], **cap.block_args[index][1])
     finally:
         for h in hooks:
             h.remove()
@@ -269,7 +272,7 @@ def _experts(lm: Any, trunk: Trunk, batch: Any, seq_len: int) -> ExpertCosts | N
     params += [p for _, _, experts in lists for p in experts.parameters()]
     counts = [m.num_experts for _, m in routed] + [len(experts) for _, _, experts in lists]
     return ExpertCosts(sum(p.numel() * p.element_size() for p in params), min(counts),
-                       count["rows"] / max(count["tokens"], 1.0))  # fmt: skip
+                       count["rows"] / max(count["tokens"], 1.0), len(mixtures) / len(trunk), index == 0)  # fmt: skip
 
 
 def profile(lm: Any, batch: Any, seq_lens: list[int], micro_batch: int = 1, repeats: int = 3) -> BlockCosts:

@@ -295,7 +295,8 @@ class DataParallelShardingMixin(ParallelStrategy):
         """Expert parallelism's experts, this rank's and (of a home-written mixture) the others' on meta: FSDP2
         leaves them out."""
         layout = self._experts.layout
-        return {*layout.params, *self._experts.elsewhere} if layout is not None else set()
+        elsewhere = [p for m in self._experts.elsewhere_modules for p in m.parameters()]
+        return {*layout.params, *elsewhere} if layout is not None else set()
 
     def _shards_of(self, optimizer: Optimizer) -> _sharding.ShardedOptimizer:
         def expert(p: Tensor) -> Optional[_sharding.Axis]:  # (the plan's: a deferred block's join as it materialises)

@@ -1,6 +1,6 @@
 """The expert-parallel axis of the strategies (``expert_parallel_size=``): a part that checks the layout, builds
-the axis from the data-parallel ranks, shards the model's experts at set-up and tells the gradient recipe which
-parameters are experts (:mod:`lightning_parallel.expert_parallel` is the mechanism).
+the axis from the data- and sequence-parallel ranks, shards the model's experts at set-up and tells the gradient
+recipe which parameters are experts (:mod:`lightning_parallel.expert_parallel` is the mechanism).
 
 Expert parallelism reuses the data- and sequence-parallel ranks, as torchtitan does (its ep over ``dp_shard x
 cp``): the ``dp x sp`` ranks of each pipeline stage and tensor-parallel rank, flattened (sp inner: a replica's
@@ -66,7 +66,7 @@ class ExpertParallel:
         self.dims: Optional[ParallelDims] = None
         self.layout: Optional[ExpertLayout] = None
         self.holds_parts = False  # each rank keeps only its experts of a home-written mixture (the rest on meta)
-        self.elsewhere: list[nn.Parameter] = []  # those other ranks' experts (on meta here)
+        self.elsewhere_modules: list[nn.Module] = []  # those other ranks' experts (on meta here)
 
     def check(self, dims: ParallelDims) -> None:
         """Refuse a layout the axis cannot take, before any process starts."""
@@ -127,7 +127,7 @@ class ExpertParallel:
         params += [p for _, _, experts in lists for p in experts.parameters() if not p.is_meta]
         self.holds_parts = any(isinstance(m.__dict__.get("forward"), ListExperts) for _, m, _ in lists)
         cut_lists = [e for _, m, e in lists if isinstance(m.__dict__.get("forward"), ListExperts)]
-        self.elsewhere = [p for experts in cut_lists for p in experts.parameters() if p.is_meta]
+        self.elsewhere_modules = [e for experts in cut_lists for e in experts if any(p.is_meta for p in e.parameters())]
         assert self.dims is not None
         across = self.mesh[REPLICA_AXIS]
         replica, count = across.get_local_rank(), across.size()

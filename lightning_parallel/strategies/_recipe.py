@@ -69,7 +69,7 @@ class SetupRecipeMixin(ParallelStrategy):
         self._cache_off += prepare_model(lm)  # every layout trains the same model (trunk.py)
         if not (config.needs_anatomy or config.recompute != "none" or config.offload or self._needs_trunk()):
             self.model_to_device()
-            self._materialize(lm, [], None)
+            self._materialize(lm, self._experts.elsewhere_modules, None)
             return  # data parallelism alone: the model needs no trunk
         # fit, then validate/test/predict with the same strategy: the blocks are placed and composed already
         first = self._blocks is None
@@ -91,7 +91,8 @@ class SetupRecipeMixin(ParallelStrategy):
             vocabulary = config.tp_mesh is not None and self._vocabulary_parallel
             # vocabulary parallelism: a deferred embedding and head are sharded before the blocks materialise,
             # so set-up never holds the whole embedding and every block at once
-            self._materialize(lm, [*freed, *self._deferred.blocks, *(trunk.blocks if vocabulary else [])], trunk)
+            kept = [*freed, *self._deferred.blocks, *self._experts.elsewhere_modules]  # (other ranks' experts: a fit's)
+            self._materialize(lm, [*kept, *(trunk.blocks if vocabulary else [])], trunk)
             if vocabulary:
                 sharded = shard_vocabulary(lm, trunk.blocks, config.tp_mesh)
                 rank_zero_info(f"vocabulary-parallel over tp={self.parallel_dims.tp}: {sharded or 'nothing'}")
@@ -220,7 +221,10 @@ class SetupRecipeMixin(ParallelStrategy):
         if self._mesh is None:
             return
         host = self._deferred.host_tensors()  # eager blocks kept on the host: broadcast one at a time, below
-        held = [t for t in module.state_dict(keep_vars=True).values() if t.device.type != "meta" and id(t) not in host]
+        # a home-written mixture cut by an earlier set-up: each rank of an ep group holds other experts
+        own = {id(p) for p in self._experts.layout.params} if self._experts.layout is not None else set()
+        held = [t for t in module.state_dict(keep_vars=True).values()
+                if t.device.type != "meta" and id(t) not in host and id(t) not in own]  # fmt: skip
         dims = self.parallel_dims
         for axis, size in ((DP, dims.dp), (SP, dims.sp), (TP, dims.tp)):
             if size > 1:

@@ -171,12 +171,15 @@ def clip_norm_(
     for group in groups:
         squares = _collectives.sum_of_squares(squares, group)
     if plan.experts is not None:
-        mine = [torch.linalg.vector_norm(local(p.grad), 2) for p in params if id(p) in expert]
-        expert_squares = torch.stack(mine).pow(2).sum() if mine else torch.zeros_like(squares)
-        expert_squares = _collectives.sum_of_squares(expert_squares.to(squares), plan.experts.group)
-        chunks = any(s.open for s in shards.values()) or plan.fsdp_experts  # ZeRO's or FSDP2's chunks of them
-        if chunks and plan.experts.replica_count > 1:
-            expert_squares = _collectives.sum_of_squares(expert_squares, plan.experts.replicas)
+        # each rank's experts over the ep group; those in chunks (a ZeRO window's, FSDP2's) over their replicas first
+        window = any(s.open for s in shards.values())
+        mine = [p for p in params if id(p) in expert]
+        cut = [window or id(_original(p, shards.values())) in plan.fsdp_experts for p in mine]
+        in_chunks = _squares([p for p, c in zip(mine, cut) if c], squares)
+        if (window or plan.fsdp_experts) and plan.experts.replica_count > 1:
+            in_chunks = _collectives.sum_of_squares(in_chunks, plan.experts.replicas)
+        whole = _squares([p for p, c in zip(mine, cut) if not c], squares)
+        expert_squares = _collectives.sum_of_squares(in_chunks + whole, plan.experts.group)
         if plan.group(PP) is not None:  # each stage's experts (over tp they are whole: counted once)
             expert_squares = _collectives.sum_of_squares(expert_squares, plan.group(PP))
         squares = squares + expert_squares
@@ -285,6 +288,13 @@ def _sum_used_(params: list[nn.Parameter], group: Any, mean: bool) -> None:
             p.grad = torch.zeros_like(p)
     grads = [local(p.grad) for p, u in zip(params, used) if u]
     (_collectives.all_reduce_mean_ if mean else _collectives.all_reduce_sum_)(grads, group)
+
+
+def _squares(params: list[nn.Parameter], like: Tensor) -> Tensor:
+    """The sum of the squares of the local gradients of ``params`` (a zero like ``like`` without any)."""
+    if not params:
+        return torch.zeros_like(like)
+    return torch.stack([torch.linalg.vector_norm(local(p.grad), 2) for p in params]).pow(2).sum().to(like)
 
 
 def _original(p: nn.Parameter, shards: Iterable[ShardedOptimizer]) -> nn.Parameter:

@@ -148,10 +148,11 @@ class HybridParallelStrategy(
         bucket_cap_mb: plain data parallelism averages the gradients in buckets of at most this many MiB, each
             issued as soon as the backward has produced it (overlapped with the rest of the backward, as DDP's
             buckets; :mod:`lightning_parallel.strategies._overlap`); 0: one average after the backward.
-        expert_parallel_size: shard a mixture's experts over this many data-parallel ranks (each holds
-            ``num_experts / ep`` experts; tokens go to their experts' ranks and back by all-to-all, dropless;
-            :mod:`lightning_parallel.expert_parallel`); must divide ``data_parallel_size``. For now with plain data
-            parallelism only (no pipeline, tensor or sequence parallelism, no ``data_parallel_sharding``).
+        expert_parallel_size: shard a mixture's experts over this many data- and sequence-parallel ranks (each
+            holds ``num_experts / ep`` experts; tokens go to their experts' ranks and back by all-to-all, dropless;
+            :mod:`lightning_parallel.expert_parallel`); must divide ``data_parallel_size x sequence_parallel_size``
+            and the experts. Composes with the pipeline, helix, tensor and sequence parallelism and both
+            ``data_parallel_sharding`` modes (each expert then cut over the ranks holding the same experts).
     """
 
     strategy_name = "hybrid"
@@ -214,7 +215,7 @@ class HybridParallelStrategy(
         self._sp_mode_given = sequence_parallel_mode is not None  # refused at launch where sp resolves to 1
         self._dp = DataParallel(data_parallel_sharding, bucket_cap_mb)  # the mode, buckets, FSDP2 root, ZeRO chunks
         self._heads = ChunkedHeads(loss_chunks)
-        self._experts = ExpertParallel(expert_parallel_size)  # the ep axis, split from dp
+        self._experts = ExpertParallel(expert_parallel_size)  # the ep axis, split from dp x sp
         self._vocabulary_parallel, self._trunk_path = vocabulary_parallel, trunk
         self._configure_on_meta, self._save_distributed = configure_model_on_meta, save_distributed_checkpoint
         self._processes = ProcessSettings(process_group_backend, timeout, first_step_timeout, start_method)

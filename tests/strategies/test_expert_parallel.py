@@ -131,6 +131,30 @@ def test_after_a_fit_the_whole_model_comes_through_the_strategy(model, world, ma
             torch.testing.assert_close(again[name], gathered[name], rtol=0, atol=0)
 
 
+def _fit_twice(rank, world_size, make):
+    from tests.helpers.parity import build
+    from tests.helpers.trainers import quick_fit
+
+    module, data = build("home:moe", 4, "adamw")
+    trainer = quick_fit(module, data, make(), world_size, steps=2)
+    before = trainer.strategy.gather_named_parameters()
+    trainer.fit(module, datamodule=data)  # set up again (max_steps reached: no step)
+    return before, trainer.strategy.gather_named_parameters()
+
+
+@pytest.mark.parametrize("layout", ["dp2", pytest.param("sp2", marks=pytest.mark.slow)])
+def test_a_second_set_up_keeps_each_ranks_own_experts(layout):
+    """A home-written mixture's experts are plain tensors, other ones on each rank of an ep group: the set-up's
+    broadcast of rank 0's values along dp and sp (a second fit or a validate with the same trainer) leaves them."""
+    from tests.helpers.distributed import run_distributed
+
+    make = _ep2() if layout == "dp2" else _sp()
+    for before, after in run_distributed(_fit_twice, 2, make, init_process_group=False):
+        assert before.keys() == after.keys()
+        for name in before:
+            torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+
+
 def test_ep2_over_four_replicas_with_clipping_trains_as_one_process():
     """dp=4 = 2 replicas of an ep group of 2: an expert's gradient is its group's, averaged over the replicas;
     clipping counts every expert once."""

@@ -255,9 +255,11 @@ def _gpt_costs():
     return profile(model, (data[:, :-1], data[:, 1:]), [16, 32], repeats=1)
 
 
-@pytest.mark.parametrize(("row", "rows"), [("hf:mixtral@batched_mm", 2.0), ("hf:llama4", 4.0)])
+@pytest.mark.parametrize(("row", "rows"), [("hf:mixtral@batched_mm", 2.0), ("hf:llama4", 4.0), ("hf:deepseek_v3", 2.0)])
 def test_the_profile_counts_a_transformers_mixtures_experts_and_rows(row, rows):
-    """Mixtral routes each token to 2 of its 4 experts; Llama 4's dense experts take every token (4 rows)."""
+    """Mixtral routes each token to 2 of its 4 experts; Llama 4's dense experts take every token (4 rows);
+    DeepSeek-V3's first block is dense (first_k_dense_replace=1): the experts are its next block's, in a share of
+    the blocks."""
     import importlib
 
     from lightning_parallel.trunk import discover_trunk, prepare_model
@@ -270,8 +272,10 @@ def test_the_profile_counts_a_transformers_mixtures_experts_and_rows(row, rows):
     batch = next(iter(data.train_dataloader()))
     trunk = discover_trunk(module)
     experts = importlib.import_module("lightning_parallel.plan.profile")._experts(module, trunk, batch, 8)
-    stacked = [
-        p for n, p in trunk.blocks[0].named_parameters() if ".experts." in n and p.shape[0] == 4 and p.dim() == 3
-    ]
+    dense = [i for i, b in enumerate(trunk.blocks) if not any(".experts." in n for n, _ in b.named_parameters())]
+    block = trunk.blocks[len(dense)]
+    stacked = [p for n, p in block.named_parameters() if ".experts." in n and p.shape[0] == 4 and p.dim() == 3]
     assert experts is not None and experts.num_experts == 4 and experts.rows_per_token == pytest.approx(rows)
     assert experts.parameter_bytes == sum(p.numel() * p.element_size() for p in stacked) > 0
+    assert experts.share == pytest.approx(1 - len(dense) / len(trunk)) and experts.in_profiled == (not dense)
+    assert dense == ([0] if row == "hf:deepseek_v3" else [])
