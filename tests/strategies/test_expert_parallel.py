@@ -57,6 +57,19 @@ def test_ep2_trains_as_one_process(row, dtype):
     assert_parity(row, _ep2(), 2, data_parallel_size=2, dtype=dtype, callbacks=lambda: [_HoldsItsExperts()])
 
 
+def test_deepseek_v3_in_float64_at_ep2_is_plain_data_parallelism_exactly():
+    """DeepSeek-V3's router sums its weight's gradient over the tokens in float32 (``F.linear`` on ``.float()``
+    copies), so no layout that splits the batch matches one process at float64's 1e-9 (plain dp=2 misses by 2e-8
+    on the router's weight after one AdamW step, then everywhere): its one-process parity is the float32 tier
+    above. In float64, ep=2 reproduces plain dp=2 (the same split of the batch) at 1e-9: losses and every
+    parameter after each of 3 AdamW steps."""
+    from tests.helpers.parity import _compare, _run_parallel
+
+    args = ("hf:deepseek_v3@batched_mm", "float64", "adamw", 3, 4)
+    dp = _run_parallel(lambda: HybridParallelStrategy(data_parallel_size=2), 2, args, {}, None, True)
+    _compare(_run_parallel(_ep2(), 2, args, {}, None, True), dp[0], "float64", args[0], 3)
+
+
 def test_a_home_written_mixture_trains_as_one_process():
     """An ``nn.ModuleList`` of experts beside a top-2 softmax router, its own loop skipping the experts no token
     chose (tests/helpers/zoo.py, ``MoE``): each rank keeps two of the four experts; parity in float64 (AdamW)."""
