@@ -57,6 +57,7 @@ def test_ep2_trains_as_one_process(row, dtype):
     assert_parity(row, _ep2(), 2, data_parallel_size=2, dtype=dtype, callbacks=lambda: [_HoldsItsExperts()])
 
 
+@pytest.mark.slow
 def test_deepseek_v3_in_float64_at_ep2_is_plain_data_parallelism_exactly():
     """DeepSeek-V3's router sums its weight's gradient over the tokens in float32 (``F.linear`` on ``.float()``
     copies), so no layout that splits the batch matches one process at float64's 1e-9 (plain dp=2 misses by 2e-8
@@ -192,7 +193,8 @@ def _sp(sp: int = 2, dp: int = 1, ep: int = 2, make: object = HybridParallelStra
     ("model", "mode"),
     [("hf:mixtral@batched_mm", "ring"), pytest.param("hf:mixtral@batched_mm", "ulysses", marks=pytest.mark.slow),
      pytest.param("hf:qwen3_moe@batched_mm", "ring", marks=pytest.mark.slow),
-     ("home:moe", "ulysses")],  # the mixture one op of the traced block (its two-run forward runs there)
+     # the mixture one op of the traced block (its two-run forward runs there)
+     pytest.param("home:moe", "ulysses", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_ep2_over_the_sequence_parallel_ranks_trains_as_one_process(model, mode):
     """sp=2 (ring attention or Ulysses), ep=2 over the two sequence shards of one replica: each shard's tokens are
@@ -331,7 +333,7 @@ class _ZeroChunksTheRest(L.Callback):
 @pytest.mark.parametrize(
     "layout",
     ["dp2", pytest.param("dp4", marks=pytest.mark.slow), pytest.param("pp2dp2", marks=pytest.mark.slow),
-     pytest.param("tp2dp2", marks=pytest.mark.slow), "home"],
+     pytest.param("tp2dp2", marks=pytest.mark.slow), pytest.param("home", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_ep2_with_zero_trains_as_one_process(layout):
     """data_parallel_sharding='optimizer' with ep=2: ZeRO cuts every parameter but the experts over dp (its
@@ -386,8 +388,8 @@ class _FullyShardsTheRest(L.Callback):
 @pytest.mark.parametrize(
     "layout",
     ["dp2", pytest.param("dp4", marks=pytest.mark.slow), pytest.param("pp2dp2", marks=pytest.mark.slow),
-     pytest.param("tp2dp2", marks=pytest.mark.slow), pytest.param("sp2dp2", marks=pytest.mark.slow), "home",
-     pytest.param("deferred", marks=pytest.mark.slow)],
+     pytest.param("tp2dp2", marks=pytest.mark.slow), pytest.param("sp2dp2", marks=pytest.mark.slow),
+     pytest.param("home", marks=pytest.mark.slow), pytest.param("deferred", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_ep2_with_fsdp2_over_the_other_parameters_trains_as_one_process(layout):
     """data_parallel_sharding='full' with ep=2: FSDP2 shards every parameter but the experts over dp
@@ -497,7 +499,7 @@ def _norms(rank, world, ep, norm_type, sp=1):
     return norms.seen
 
 
-@pytest.mark.parametrize(("norm_type", "sp"), [(2, 1), ("inf", 1), (2, 2)])
+@pytest.mark.parametrize(("norm_type", "sp"), [(2, 1), ("inf", 1), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_grad_norm_counts_every_expert_once(norm_type, sp):
     """``strategy.grad_norm`` at ep=2 (over two replicas, or two sequence shards) is one device's ``grad_norm``:
     each expert module's norm combines its ranks' experts, the total counts each once."""

@@ -255,7 +255,11 @@ def _gpt_costs():
     return profile(model, (data[:, :-1], data[:, 1:]), [16, 32], repeats=1)
 
 
-@pytest.mark.parametrize(("row", "rows"), [("hf:mixtral@batched_mm", 2.0), ("hf:llama4", 4.0), ("hf:deepseek_v3", 2.0)])
+@pytest.mark.parametrize(
+    ("row", "rows"),
+    [("hf:mixtral@batched_mm", 2.0), pytest.param("hf:llama4", 4.0, marks=pytest.mark.slow),
+     pytest.param("hf:deepseek_v3", 2.0, marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_the_profile_counts_a_transformers_mixtures_experts_and_rows(row, rows):
     """Mixtral routes each token to 2 of its 4 experts; Llama 4's dense experts take every token (4 rows);
     DeepSeek-V3's first block is dense (first_k_dense_replace=1): the experts are its next block's, in a share of
