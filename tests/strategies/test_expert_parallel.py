@@ -46,8 +46,10 @@ class _HoldsItsExperts(L.Callback):
 
 @pytest.mark.parametrize(
     ("row", "dtype"),
-    [("hf:mixtral@batched_mm", "float64"), ("hf:qwen3_moe@batched_mm", "float64"), ("hf:gpt_oss@eager", "float64"),
-     ("hf:llama4", "float64"),  # dense experts: every token to each expert, scaled by its score
+    [("hf:mixtral@batched_mm", "float64"), ("hf:qwen3_moe@batched_mm", "float64"),
+     pytest.param("hf:gpt_oss@eager", "float64", marks=pytest.mark.slow),
+     # dense experts: every token to each expert, scaled by its score
+     pytest.param("hf:llama4", "float64", marks=pytest.mark.slow),
      # DeepSeek-V3's router computes its logits in float32 whatever the model's dtype (F.linear on .float()
      # copies), so no layout that splits its batch matches one process at float64's 1e-9, plain dp included:
      # the contract's float32 tier (SGD, 1e-5), with transformers' default grouped_mm experts
@@ -169,6 +171,7 @@ def test_a_second_set_up_keeps_each_ranks_own_experts(layout):
             torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_ep2_over_four_replicas_with_clipping_trains_as_one_process():
     """dp=4 = 2 replicas of an ep group of 2: an expert's gradient is its group's, averaged over the replicas;
     clipping counts every expert once."""
@@ -420,7 +423,8 @@ def test_ep2_with_fsdp2_over_the_other_parameters_trains_as_one_process(layout):
 MOE = "hf:qwen3_moe@batched_mm"
 
 
-@pytest.mark.parametrize("model", [MOE, pytest.param("home:moe", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [MOE, "home:moe"])
 def test_a_checkpoint_holds_each_expert_whole_and_loads_at_any_ep(tmp_path, model):
     """Saved at ep=2, the checkpoint equals one saved at plain dp=2 (each expert once, whole, in order, with its
     AdamW state); it loads into one process, and dp=2's loads at ep=2."""

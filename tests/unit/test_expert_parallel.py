@@ -77,7 +77,7 @@ def _rank(rank: int, world: int, family: str, experts: str) -> None:
         torch.testing.assert_close(grad, want, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("experts", ["eager", "batched_mm"])
+@pytest.mark.parametrize("experts", [pytest.param("eager", marks=pytest.mark.slow), "batched_mm"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_split_over_two_ranks_compute_what_one_process_does(family, experts):
     pytest.importorskip("transformers")
