@@ -347,10 +347,10 @@ def shard_expert_list(module: nn.Module, experts: nn.ModuleList, mesh: DeviceMes
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh, replicas: Any = None) -> list[str]:
-    """Keep this rank's experts of ``module`` (see :func:`find_experts`) as DTensors sharded by expert over the 1-D
-    ``mesh`` (no communication: every rank holds the same whole values), and make its call dispatch and combine
-    over it (``replicas``: the group of the ranks holding the same experts); in place. Returns the names of the
-    parameters sharded."""
+    """Keep this rank's experts of ``module`` (stacked experts: :mod:`lightning_parallel.anatomy.experts`) as
+    DTensors sharded by expert over the 1-D ``mesh`` (no communication: every rank holds the same whole values), and
+    make its call dispatch and combine over it (``replicas``: the group of the ranks holding the same experts); in
+    place. Returns the names of the parameters sharded."""
     total: int = module.num_experts  # type: ignore[assignment]
     ep, rank = mesh.size(), mesh.get_local_rank()
     check_experts(total, ep, type(module).__name__)
