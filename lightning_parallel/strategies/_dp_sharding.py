@@ -19,13 +19,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.experts import find_experts
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.expert_parallel import EP_AXIS, REPLICA_AXIS
 from lightning_parallel.materialize import materialize_
 from lightning_parallel.mesh import DP
 from lightning_parallel.strategies import _sharding
-from lightning_parallel.strategies._full_shard import fully_shard_model
+from lightning_parallel.strategies._full_shard import fully_shard_experts, fully_shard_model
 from lightning_parallel.strategies._logging import (
     LogRecorder,
     MetricStepper,
@@ -272,18 +271,10 @@ class DataParallelShardingMixin(ParallelStrategy):
             return None
 
     def _fully_shard_experts(self, unit: list[torch.nn.Module]) -> None:
-        """Expert FSDP (:mod:`lightning_parallel.strategies._full_shard`): each experts module of ``unit`` its own
-        FSDP2 unit over the ranks holding the same experts, when there are several."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
+        """Expert FSDP over the ranks holding the same experts, when there are several (``fully_shard_experts``)."""
         mesh = self._experts.mesh
-        if mesh is None or mesh[REPLICA_AXIS].size() == 1:
-            return
-        for module in unit:
-            for _, experts in find_experts(module):
-                if not isinstance(experts, FSDPModule) and not any(p.is_meta for p in experts.parameters()):
-                    fully_shard(experts, mesh=mesh[REPLICA_AXIS])
-                    experts.set_gradient_divide_factor(float(self.parallel_dims.dp))  # type: ignore[operator]
+        if mesh is not None and mesh[REPLICA_AXIS].size() > 1:
+            fully_shard_experts(unit, mesh[REPLICA_AXIS], self.parallel_dims.dp)
 
     def _experts_refreshed(self) -> None:
         """The experts' parameters (FSDP2's now, where it sharded them) in the layout and the gradient plan."""

@@ -130,6 +130,20 @@ def fully_shard_model(
     return [root]
 
 
+def fully_shard_experts(unit: list[nn.Module], mesh: DeviceMesh, dp: int) -> None:
+    """Each experts module of ``unit`` (sharded by ep already) its own FSDP2 unit over ``mesh``, the ranks holding
+    the same experts, whose reduce-scatter sums their gradients and divides by ``dp`` (module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from lightning_parallel.anatomy.experts import find_experts
+
+    for module in unit:
+        for _, experts in find_experts(module):
+            if not isinstance(experts, FSDPModule) and not any(p.is_meta for p in experts.parameters()):
+                fully_shard(experts, mesh=mesh)
+                experts.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
+
+
 class _Root(nn.Module):
     """The units under one FSDP2 root; never called (each unit gathers on its own call)."""
 
