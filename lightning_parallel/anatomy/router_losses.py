@@ -19,15 +19,18 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_parallel import _collectives
 from lightning_parallel.errors import ConfigurationError
 
 _NAME = "load_balancing_loss_func"
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")  # transformers' configs' names for it
 
 
 @contextmanager
@@ -49,19 +52,151 @@ def over_the_batch(groups: list[tuple[Any, bool]]) -> Iterator[None]:
             setattr(module, _NAME, original)
 
 
-def pipeline_refusal(module: Any) -> str | None:
-    """Why ``module`` cannot train under a pipeline (``None`` if it can): a transformers config with
-    ``output_router_logits=True`` computes its balancing loss from every layer's router logits where the loss is
-    computed, while each stage's layers run on their own ranks."""
-    routed = [n for n, m in module.named_modules() if getattr(getattr(m, "config", None), "output_router_logits", 0)]
-    if not routed:
+@dataclass
+class Balancing:
+    """A transformers mixture whose forward adds its load-balancing loss (``config.output_router_logits``): where
+    its routers are (``router``, their output's entry ``index`` holding the logits, as the family's
+    ``_can_record_outputs`` tells transformers' own recorder), how many there are, its experts and top-k, and the
+    family's ``load_balancing_loss_func`` (``original``)."""
+
+    module: nn.Module
+    original: Callable[..., Any]
+    router: type
+    index: int
+    layer_name: str | None
+    routers: int
+    experts: int
+    top_k: int
+
+    def is_router(self, name: str, module: nn.Module) -> bool:
+        return isinstance(module, self.router) and (self.layer_name is None or name.endswith(self.layer_name))
+
+    def sums(self, logits: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """One router call's share of the loss's sums: the top-k assignments per expert, the routing probabilities
+        per expert (with its graph) and the rows counted, each row weighted by ``mask`` (flat) where given: the
+        family's body, one layer at a time."""
+        experts = logits.shape[-1]
+        if experts != self.experts:
+            raise ConfigurationError(
+                f"a router of {type(self.module).__name__} gave {experts} logits per row; its config has"
+                f" {self.experts} experts"
+            )
+        weights = torch.softmax(logits, dim=-1)
+        _, selected = torch.topk(weights, self.top_k, dim=-1)
+        flat = (
+            torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+            if mask is None
+            else mask.to(torch.float32)
+        )
+        if flat.numel() != logits.shape[0]:
+            raise ConfigurationError(
+                f"a router of {type(self.module).__name__} routed {logits.shape[0]} rows while the model's"
+                f" attention_mask has {flat.numel()} entries: its load-balancing loss weights each row by the mask"
+            )
+        assigned = torch.zeros(experts, dtype=torch.float32, device=logits.device)
+        assigned = assigned.scatter_add_(0, selected.reshape(-1), flat.repeat_interleave(self.top_k))
+        probabilities = (weights.float() * flat.unsqueeze(-1)).sum(dim=0)
+        return assigned, probabilities, flat.sum()
+
+    def check(self) -> None:
+        """Refuse a family whose ``load_balancing_loss_func`` is not the Switch form :meth:`sums` and :func:`value`
+        decompose (compared on random logits of two layers, with and without a mask)."""
+        generator = torch.Generator().manual_seed(0)
+        experts = self.experts
+        logits = tuple(torch.randn(6, experts, generator=generator, dtype=torch.float64) for _ in range(2))
+        mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+        for m in (None, mask):
+            expected = self.original(logits, experts, self.top_k, m)
+            parts = [self.sums(z, None if m is None else m.reshape(-1)) for z in logits]
+            got = value(*(sum(p[k] for p in parts) for k in range(3)))  # type: ignore[misc]
+            if not torch.allclose(torch.as_tensor(expected, dtype=torch.float32), got, rtol=1e-5, atol=0):
+                raise ConfigurationError(
+                    f"{type(self.module).__name__}'s load_balancing_loss_func ({float(expected):.6g} on random"
+                    f" logits) is not the Switch Transformer form a pipeline computes from each stage's sums"
+                    f" ({float(got):.6g}); set output_router_logits=False in the model's config, or train without"
+                    " pipeline parallelism"
+                )
+
+
+def value(assigned: Tensor, probabilities: Tensor, rows: Tensor) -> Tensor:
+    """The load-balancing loss ``E · Σ_e (assigned_e / rows) · (probabilities_e / rows)`` from the sums of every
+    router call (transformers' ``load_balancing_loss_func``, in float32 as there)."""
+    rows = rows.to(torch.float32)
+    return (assigned.float() / rows * (probabilities.float() / rows)).sum() * assigned.shape[-1]
+
+
+_uncounted = ContextVar("uncounted", default=False)
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """While open (a block's copies run for verification or tracing), no router call counts towards a balancing
+    loss (:mod:`lightning_parallel.pipeline.balancing` asks :func:`counted`)."""
+    token = _uncounted.set(True)
+    try:
+        yield
+    finally:
+        _uncounted.reset(token)
+
+
+def counted() -> bool:
+    return not _uncounted.get()
+
+
+def balancing_of(module: nn.Module) -> Balancing | None:
+    """The mixture in ``module`` that computes a load-balancing loss from every layer's router logits, or ``None``;
+    a config asking for one that this cannot decompose is refused (:meth:`Balancing.check`)."""
+    found = [
+        (n, m) for n, m in module.named_modules() if getattr(getattr(m, "config", None), "output_router_logits", 0)
+    ]
+    if not found:
         return None
-    return (
-        f"{routed[0] or type(module).__name__} has output_router_logits=True: its load-balancing loss reads every"
-        " layer's router logits where the loss is computed, but under a pipeline each stage's layers run on their"
-        " own ranks; set output_router_logits=False in the model's config, or train with data, expert, tensor or"
-        " sequence parallelism"
+    name, model = found[0]
+    original = getattr(sys.modules.get(type(model).__module__), _NAME, None)
+    recorders = getattr(model, "_can_record_outputs", None) or {}
+    recorder = recorders.get("router_logits")
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    experts = next(
+        (getattr(model.config, k) for k in _EXPERTS if isinstance(getattr(model.config, k, None), int)), None
     )
+    if original is None or recorder is None or not isinstance(top_k, int) or experts is None:
+        raise ConfigurationError(
+            f"{name or type(model).__name__} has output_router_logits=True, but its family has no"
+            f" {_NAME} with a router_logits recorder and config.num_experts_per_tok and a number of experts"
+            f" ({', '.join(_EXPERTS)}) to compute it from each pipeline stage's routers; set"
+            " output_router_logits=False, or train without pipeline parallelism"
+        )
+    router = getattr(recorder, "target_class", recorder)
+    index, layer_name = getattr(recorder, "index", 0), getattr(recorder, "layer_name", None)
+    spec = Balancing(
+        model, getattr(original, "__wrapped__", original), router, index or 0, layer_name, 0, experts, top_k
+    )
+    spec.routers = sum(spec.is_router(n, m) for n, m in model.named_modules())
+    spec.check()
+    return spec
+
+
+@contextmanager
+def computed_by(spec: Balancing, compute: Callable[[tuple, int, Any], Tensor]) -> Iterator[None]:
+    """While open, the family's ``load_balancing_loss_func`` is ``compute(gate_logits, num_experts,
+    attention_mask)`` (a pipeline's loss from every stage's sums; it checks the family's top-k is the config's)."""
+    module = sys.modules[type(spec.module).__module__]
+    original = getattr(module, _NAME)
+    signature = inspect.signature(spec.original)
+
+    def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        logits, experts, top_k, mask = bound.args[:4]
+        if top_k != spec.top_k:
+            raise ConfigurationError(f"{_NAME} was called with top_k={top_k}, the config says {spec.top_k}")
+        return compute(logits, experts, mask)
+
+    setattr(module, _NAME, load_balancing_loss_func)
+    try:
+        yield
+    finally:
+        setattr(module, _NAME, original)
 
 
 def _family(module: Any) -> bool:
@@ -112,4 +247,4 @@ class _GradientOver(torch.autograd.Function):
         return grad / ctx.size, None
 
 
-__all__ = ["over_the_batch", "pipeline_refusal"]
+__all__ = ["Balancing", "balancing_of", "computed_by", "counted", "over_the_batch", "uncounted", "value"]

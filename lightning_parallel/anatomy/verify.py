@@ -146,16 +146,19 @@ def not_captured() -> Iterator[None]:
     """transformers' output capturing (a model's router logits, hidden states: forward hooks that append to the
     model call's collector) off while a block's copies run for verification or tracing: the model's own call
     would otherwise collect their outputs too (and a balancing loss backward through the copies' graphs)."""
+    from lightning_parallel.anatomy.router_losses import uncounted
+
     capturing = sys.modules.get("transformers.utils.output_capturing")
     collector = getattr(capturing, "_active_collector", None)
-    if collector is None:
-        yield
-        return
-    token = collector.set(None)
-    try:
-        yield
-    finally:
-        collector.reset(token)
+    with uncounted():  # nor a pipeline's router sums
+        if collector is None:
+            yield
+            return
+        token = collector.set(None)
+        try:
+            yield
+        finally:
+            collector.reset(token)
 
 
 @contextmanager

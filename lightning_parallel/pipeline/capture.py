@@ -258,8 +258,10 @@ def probe_output_structure(block: nn.Module, hidden: Tensor, block_args: BlockAr
         block = copy.deepcopy(block).to("meta")
     to_meta = lambda x: x.to("meta") if isinstance(x, Tensor) else x  # noqa: E731
     a, kw = tree_map(to_meta, block_args)  # nested too (e.g. rotary tables as a tuple)
-    try:
-        with torch.no_grad():
+    from lightning_parallel.anatomy.verify import not_captured
+
+    try:  # (its router logits on meta are no part of the model's call: not collected)
+        with torch.no_grad(), not_captured():
             # the class's own forward: the instance's may be replaced by a recorder right now
             out = type(block).forward(block, to_meta(hidden), *a, **kw)
     except Exception:  # noqa: BLE001  (the structure stays unknown: user code indexing the output then fails)

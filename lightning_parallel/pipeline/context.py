@@ -112,6 +112,7 @@ class StepContext:
     ahead: dict[tuple, Any] = field(default_factory=dict)  # receives posted ahead, by consuming action
     clock: RecvClock = field(default_factory=RecvClock)
     split: bool = False  # the schedule splits the backward into I and W
+    pending: list[tuple[int, int, Any, Any]] = field(default_factory=list)  # losses deferred to the turn
     outbox: Any = None  # messages.Outbox: sends in their receivers' order
     inbox: Any = None  # messages.Inbox: receives in this stage's order
 

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_parallel import _p2p
+from lightning_parallel.pipeline.balancing import RouterSums
 from lightning_parallel.pipeline.capture import (
     Capture,
     _forwards,
@@ -87,6 +89,7 @@ class PipelineRuntime:
         self.output_like: Any = None  # the blocks' output structure (None: a plain tensor)
         self._like_known = False
         self.gradients: Any = None  # this step's gradient buckets (strategies/_overlap.py), or None
+        self.balancing: RouterSums | None = None  # this step's router sums (a mixture's balancing loss), or None
         self.timeline: list[TimelineEvent] = []
         local = {j for c in self.local_chunks for j in chunk_blocks[c]}
         self._freed = next((j for j in range(len(trunk)) if j not in local), None)  # a block on meta, if any
@@ -131,15 +134,19 @@ class PipelineRuntime:
             if a.kind in ("B", "I", "BP", "BA"):
                 ctx.backwards_left[a.microbatch] += 1
         last = self.last_weight_actions(actions) if self.gradients is not None else {}
-        for i, a in enumerate(actions):
-            start, ctx.clock = time.time(), RecvClock()
-            self._ahead(ctx, actions, i)
-            if i in last:  # the unit's weights get their last gradient in this action: its buckets may go
-                self.gradients.open(last[i])
-            self.handlers[a.kind](ctx, a)
-            if i in last:
-                self.gradients.close(last[i])
-            self.timeline.append(ctx.clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
+        turn = next((i for i, a in enumerate(actions) if a.kind[0] in "BIW"), len(actions))
+        with self.balancing.installed() if self.balancing is not None else nullcontext():
+            for i, a in enumerate(actions):
+                if i == turn and self.balancing is not None:
+                    self._turn(ctx)
+                start, ctx.clock = time.time(), RecvClock()
+                self._ahead(ctx, actions, i)
+                if i in last:  # the unit's weights get their last gradient in this action: its buckets may go
+                    self.gradients.open(last[i])
+                self.handlers[a.kind](ctx, a)
+                if i in last:
+                    self.gradients.close(last[i])
+                self.timeline.append(ctx.clock.event(self.stage, a.kind, a.microbatch, a.chunk, start))
         ctx.outbox.check_empty()
         ctx.complete_all()
         return ctx.results
@@ -171,6 +178,20 @@ class PipelineRuntime:
             return self.chunk_stages[a.chunk + 1]
         return None
 
+    def _turn(self, ctx: StepContext) -> None:
+        """Between this stage's forward and backward actions, with a balancing loss (``pipeline.balancing``): the
+        batch's router sums; on the loss stage the losses its forward actions deferred."""
+        assert self.balancing is not None
+
+        def losses() -> dict[int, Tensor]:
+            with self.balancing.losses():  # type: ignore[union-attr]
+                for i, c, x, out in ctx.pending:
+                    with self.balancing.loss_of(i):  # type: ignore[union-attr]
+                        self._loss(ctx, i, c, x, out)
+            return {i: ctx.saved[(i, c)][1] * ctx.weights[i] for i, c, _, _ in ctx.pending}
+
+        self.balancing.turn(self.stage == self._output_stage(), losses)
+
     def _ahead(self, ctx: StepContext, actions: list[Action], i: int) -> None:
         """Before action ``i`` runs: post receives of later actions ahead (HelixPipe)."""
 
@@ -187,7 +208,8 @@ class PipelineRuntime:
     def _capture(self, ctx: StepContext, i: int) -> Capture:
         if i in ctx.captures:
             return ctx.captures[i]
-        cap = self.capture_step(lambda: ctx.user.capture(i))
+        with self.balancing.capturing(i) if self.balancing is not None else nullcontext():
+            cap = self.capture_step(lambda: ctx.user.capture(i))
         if 0 not in self.local_chunks:
             cap.trunk_input = cap.trunk_input.detach()  # only chunk 0 needs the pre-trunk graph
         ctx.captures[i] = cap
@@ -242,18 +264,29 @@ class PipelineRuntime:
         else:
             x = self._receive(ctx, c - 1, a)
             x.requires_grad_(True)
-        out = self._run_chunk(c, x, cap)
+        with self.balancing.running(i, c) if self.balancing is not None else nullcontext():
+            out = self._run_chunk(c, x, cap)
         x = cap.trunk_input if c == 0 else x
         y = unwrap_output(out, self.trunk.blocks[-1])
-        if c == self.num_chunks - 1:
-            self.output_like, self._like_known = structure_of(out), True
-            step_out = substitute(self.trunk, lambda: ctx.user.loss(i), out)
-            loss = ctx.loss_of(step_out)
-            ctx.saved[(i, c)] = (x, loss)
-            ctx.results[i] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
+        if c == self.num_chunks - 1 and self.balancing is not None:
+            ctx.pending.append((i, c, x, out))  # the loss needs every micro-batch's router sums: at the turn
+        elif c == self.num_chunks - 1:
+            self._loss(ctx, i, c, x, out)
         else:
             self._send_to(ctx, y, Action("F", i, c + 1))
             ctx.saved[(i, c)] = (x, y)
+
+    def _loss(self, ctx: StepContext, i: int, c: int, x: Tensor, out: Any) -> None:
+        """The user's step from the trunk's output ``out`` on to micro-batch i's loss."""
+        self.output_like, self._like_known = structure_of(out), True
+        step_out = substitute(self.trunk, lambda: ctx.user.loss(i), out)
+        loss = ctx.loss_of(step_out)
+        ctx.saved[(i, c)] = (x, loss)
+        ctx.results[i] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
+
+    def _roots(self, a: Action) -> tuple[list[Tensor], list[Tensor]]:
+        """What a backward action back-propagates besides the chunk's output: its router sums' gradient."""
+        return self.balancing.roots(a.microbatch, a.chunk) if self.balancing is not None else ([], [])
 
     def _output_and_grad(self, ctx: StepContext, a: Action) -> tuple[Tensor, Tensor, Tensor | None]:
         """The chunk's saved input and output (the weighted loss on the last chunk) and the output's
@@ -273,7 +306,8 @@ class PipelineRuntime:
         i = a.microbatch
         x, y, grad = self._output_and_grad(ctx, a)
         retain = ctx.captures[i].needs_grad and ctx.backwards_left[i] > 1
-        torch.autograd.backward(y, grad, retain_graph=retain)
+        extra, extra_grads = self._roots(a)
+        torch.autograd.backward([y, *extra], [grad, *extra_grads], retain_graph=retain)
         self._send_input_grad(ctx, a, x.grad if a.chunk > 0 else None, x)
         self._backward_done(ctx, i)
 
@@ -290,7 +324,8 @@ class PipelineRuntime:
         x, y, grad = self._output_and_grad(ctx, a)
         leaf = ctx.saved.pop(("leaf", i), None) if c == 0 else None
         target = leaf if leaf is not None else x
-        grads, work = backward_input([y], [grad], [target] if target.requires_grad else [])
+        extra, extra_grads = self._roots(a)
+        grads, work = backward_input([y, *extra], [grad, *extra_grads], [target] if target.requires_grad else [])
         grad_x = grads[0] if grads else None
         if leaf is not None and grad_x is not None:  # the pre-trunk's backward, after the weights'
             work.then.append((x, grad_x))

@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_parallel import _collectives
 from lightning_parallel.anatomy.verify import Verdicts
 from lightning_parallel.blocks import BlockConfig
+from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.mesh import DP, PP, SP, TP, Size
 from lightning_parallel.pipeline.helix_runtime import HelixRuntime, place_block
 from lightning_parallel.pipeline.helix_schedule import check_sizes, helix, simulate_helix
@@ -125,6 +126,14 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     @property
     def loss_stage(self) -> int:
         return 0
+
+    @override
+    def _check_balancing(self, spec: Any) -> None:
+        raise ConfigurationError(
+            f"{type(spec.module).__name__} has output_router_logits=True: helix does not compute its load-balancing"
+            " loss yet (its post-attention parts, where the routers run, are recomputed in the backward); use"
+            " PipelineParallelStrategy(schedule='gpipe'), or set output_router_logits=False in the model's config"
+        )
 
     @override
     def _validate_schedule(self) -> None:

@@ -26,6 +26,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, Literal, Optional
 
@@ -37,11 +38,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel import _collectives
-from lightning_parallel.anatomy.router_losses import pipeline_refusal
+from lightning_parallel.anatomy.router_losses import Balancing, balancing_of
 from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.errors import ConfigurationError
-from lightning_parallel.mesh import DP, PP, Size, check_size
+from lightning_parallel.mesh import DP, PP, SP, Size, check_size
 from lightning_parallel.pipeline import outer
+from lightning_parallel.pipeline.balancing import RouterSums, forwards_first, over_stages, stood_in
 from lightning_parallel.pipeline.capture import loss_of
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
@@ -127,6 +129,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             )
         self._sizes["pp"] = pipeline_parallel_size
         self.runtime: Optional[PipelineRuntime] = None
+        self._balancing: Optional[Balancing] = None  # the model's balancing loss, found at set-up
         self._grad_buffer: dict[nn.Parameter, Tensor] = {}
         self._outer = OuterShards()  # the parameters outside the trunk, stored in shards over the stages
         self._report_pending = False  # the placement is reported once the outer part is sharded
@@ -189,9 +192,20 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             raise ValueError(
                 "manual optimization is not supported under pipeline parallelism; use automatic optimization"
             )
-        refusal = pipeline_refusal(lm)  # a mixture's balancing loss from every layer's router logits
-        if refusal is not None:
-            raise ConfigurationError(refusal)
+        self._balancing = balancing_of(lm)  # a mixture's balancing loss from every layer's router logits
+        if self._balancing is not None:
+            self._check_balancing(self._balancing)
+
+    def _check_balancing(self, spec: Balancing) -> None:
+        """A balancing loss reads every micro-batch's router sums before the first backward
+        (:mod:`lightning_parallel.pipeline.balancing`)."""
+        if not forwards_first(self.schedule):
+            raise ConfigurationError(
+                f"{type(spec.module).__name__} has output_router_logits=True: its load-balancing loss is one value over"
+                f" the whole batch, which schedule={self._settings.schedule!r} with num_microbatches="
+                f"{self.num_microbatches} cannot give before its first backward; use schedule='gpipe' (every forward"
+                " first), or set output_router_logits=False in the model's config"
+            )
 
     @override
     def _needs_trunk(self) -> bool:
@@ -302,7 +316,7 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             saved = snapshot_metrics(self._metrics.metrics)
             try:
                 with torch.random.fork_rng(), recording(lm, LogRecorder()), no_fast_paths(), torch.no_grad():
-                    with self.precision_plugin.train_step_context():
+                    with self.precision_plugin.train_step_context(), stood_in(self._balancing):
                         trunk_input = runtime.capture_step(step).trunk_input
                         return outer.touched(runtime.trunk, step, watched, trunk_input, runtime.output_like)
             finally:
@@ -350,15 +364,26 @@ class PipelineParallelStrategy(HybridParallelStrategy):
         self._metrics.before_step()
         freed = outer.placeholders(self._outer.freed, self.root_device)  # the capture pass runs the user's code
         runtime.gradients = self._armed_buckets(lm)  # the dp means go in the units' last backward actions
+        runtime.balancing = self._router_sums(shares)
         self._grad_scale = None
         try:
             with self.precision_plugin.train_step_context(), recording(lm, recorder), no_fast_paths(), freed:
                 with self._explain_sharded_use(), self._heads.active():
                     results = runtime.run(self.schedule, user, loss_of, weights)
         finally:
-            armed, runtime.gradients = runtime.gradients is not None, None
+            armed, runtime.gradients, runtime.balancing = runtime.gradients is not None, None, None
         self._grad_buffer = gradients.restore(params, saved, [p for p in lm.parameters() if p.device.type != "meta"])
         return self._finish_step(results, recorder, shares, weights, armed)
+
+    def _router_sums(self, shares: list[float]) -> Optional[RouterSums]:
+        """This step's router sums where the model adds a balancing loss, else ``None``."""
+        if self._balancing is None:
+            return None
+        dims = self.parallel_dims
+        loss_rank = _collectives.group_ranks(self.pp_group).index(self.stage_rank(self.loss_stage))
+        shards = self._mesh.get_group(SP) if dims.sp > 1 else None
+        replicas = self.dp_group if dims.dp > 1 else None
+        return RouterSums(self._balancing, shares, self.root_device, self.pp_group, loss_rank, shards, replicas)
 
     def _decide_at_first_step(self, step: Callable[[], Any]) -> None:
         """What the first training step decides, on its first micro-batch (``step``): which stages run each
@@ -476,7 +501,9 @@ class PipelineParallelStrategy(HybridParallelStrategy):
             if self._shards_after_commit and not self._dp.fsdp_root:  # full sharding above tp / sp: commit, then shard
                 step = getattr(self.lightning_module, hook)
                 self._commit_then_fully_shard(self.runtime.capture_step, lambda: step(*args, **kwargs))
-            return self.runtime.lockstep(lambda: base(*args, **kwargs))
+            summed = self._balancing is not None and self.runtime._evaluates_in_parts()
+            with over_stages(self._balancing, self.pp_group) if summed else nullcontext():  # type: ignore[arg-type]
+                return self.runtime.lockstep(lambda: base(*args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

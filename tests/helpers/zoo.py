@@ -112,7 +112,10 @@ class HFCausalLM(_Optim, L.LightningModule):
         super().__init__()
         import transformers
 
-        family, aux = family.removesuffix("+aux"), family.endswith("+aux")  # "+aux": the router's balancing loss
+        # "+mask": an attention mask padding the last quarter of the rows whose first token is even; "+aux": the
+        # router's balancing loss
+        family, self.masked = family.removesuffix("+mask"), family.endswith("+mask")
+        family, aux = family.removesuffix("+aux"), family.endswith("+aux")
         family, _, experts = family.partition("@")  # "mixtral@batched_mm": transformers' experts implementation
         config = hf_config(family, vocab_size, num_layers)
         if experts:
@@ -124,7 +127,12 @@ class HFCausalLM(_Optim, L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
-        out = self.model(input_ids=idx)
+        if self.masked:  # rows padded on the right, chosen by their content (however the batch is split)
+            mask = torch.ones_like(idx)
+            mask[:, -idx.shape[1] // 4 :] = (idx[:, :1] % 2 == 1).to(mask.dtype)
+            out = self.model(input_ids=idx, attention_mask=mask)
+        else:
+            out = self.model(input_ids=idx)
         logits = out.logits
         # at least float32, as transformers' own loss (float64 stays float64: the parity contract's dtype)
         loss = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),

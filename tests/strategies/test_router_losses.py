@@ -5,10 +5,15 @@ one process does (Mixtral, ``output_router_logits=True``, coefficient 0.5 so tha
 
 from __future__ import annotations
 
-import pytest
+import tempfile
 
-from lightning_parallel import HybridParallelStrategy, PipelineParallelStrategy
-from tests.helpers.parity import assert_parity
+import lightning as L
+import pytest
+import torch.nn.functional as F
+
+from lightning_parallel import HelixParallelStrategy, HybridParallelStrategy, PipelineParallelStrategy
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import _OneReplicaSampler, assert_parity, build
 
 pytest.importorskip("transformers")
 
@@ -39,7 +44,104 @@ def test_over_sequence_shards_and_under_tensor_parallelism(kwargs):
     assert_parity(ROW, lambda: HybridParallelStrategy(**kwargs), world, data_parallel_size=dp, dtype="float32")
 
 
-def test_under_a_pipeline_it_is_refused():
-    """Each stage's layers run on their own ranks, so the last stage cannot read every layer's router logits."""
-    with pytest.raises(Exception, match=r"has output_router_logits=True: its load-balancing loss reads every layer's"):
+# the balancing loss's value is float32 sums (transformers' own, whatever the model's dtype): the pipeline adds them
+# per stage and micro-batch, so the loss agrees to float32's rounding of that term (one ulp of it: 2.4e-8 of the step's
+# loss here); every parameter keeps float64's 1e-9, since the gradient the loss stage sends back is one device's
+FLOAT32_SUMS = 1e-7
+
+
+@pytest.mark.parametrize(
+    "kwargs, world",
+    [(dict(), 2),
+     pytest.param(dict(data_parallel_size=2), 4, marks=pytest.mark.slow),
+     pytest.param(dict(data_parallel_size=2, expert_parallel_size=2), 4, marks=pytest.mark.slow),
+     pytest.param(dict(data_parallel_size=2, data_parallel_sharding="optimizer"), 4, marks=pytest.mark.slow),
+     pytest.param(dict(data_parallel_size=2, data_parallel_sharding="full"), 4, marks=pytest.mark.slow),
+     pytest.param(dict(sequence_parallel_size=2), 4, marks=pytest.mark.slow),
+     pytest.param(dict(schedule="1f1b", num_microbatches=1), 2, marks=pytest.mark.slow),
+     pytest.param(dict(schedule="interleaved_1f1b", num_microbatches=2, row=ROW + "#4"), 2, marks=pytest.mark.slow),
+     pytest.param(dict(schedule="zb_h1", num_microbatches=1), 2, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_over_pipeline_stages(kwargs, world):
+    """pp=2 under GPipe (4 micro-batches; with dp, dp x ep, ZeRO, FSDP2 and sp, one micro-batch under 1F1B and ZB-H1, interleaved 1F1B with as many as stages: every
+    schedule that runs every forward first):
+    every stage sums its own routers' calls, the loss stage computes the batch's loss from the totals and sends its
+    gradient back (lightning_parallel/pipeline/balancing.py); float64, SGD as over the replicas."""
+    kwargs = dict(dict(schedule="gpipe"), **kwargs)
+    dp, row = kwargs.get("data_parallel_size", 1), kwargs.pop("row", ROW)
+    strategy = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, **kwargs)  # noqa: E731
+    assert_parity(row, strategy, world, data_parallel_size=dp, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
+
+
+def test_over_pipeline_stages_with_an_attention_mask():
+    """Padded rows (an attention mask): every stage weights its routers' rows by the model's mask, kept from the
+    micro-batch's capture (the loss stage checks the loss is given the same); and the gradient stays exact with it."""
+    strategy = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="gpipe")  # noqa: E731
+    assert_parity(ROW + "+mask", strategy, 2, data_parallel_size=1, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
+
+
+@pytest.mark.parametrize(
+    "kwargs, world", [(dict(), 2), pytest.param(dict(tensor_parallel_size=2), 4, marks=pytest.mark.slow)]
+)
+def test_over_pipeline_stages_float32(kwargs, world):
+    """The float32 tier of the same (the contract's SGD at 1e-5, losses included), and with tp (Mixtral's norms
+    compute in float32, so tp is float32-exact only, with or without the loss)."""
+    strategy = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="gpipe", **kwargs)  # noqa: E731
+    assert_parity(ROW, strategy, world, data_parallel_size=1, dtype="float32")
+
+
+@pytest.mark.slow
+def test_over_pipeline_stages_with_padding_microbatches():
+    """A batch of 2 samples in 4 micro-batches: the two padding micro-batches (copies of the last sample, weight 0)
+    count in no sum."""
+    strategy = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="gpipe", num_microbatches=4)  # noqa: E731
+    assert_parity(ROW, strategy, 2, data_parallel_size=1, optimizer="sgd", global_batch=2, loss_rtol=FLOAT32_SUMS)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_over_pipeline_stages():
+    """Another family (its own router class and load_balancing_loss_func)."""
+    strategy = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="gpipe")  # noqa: E731
+    assert_parity("hf:qwen3_moe+aux", strategy, 2, data_parallel_size=1, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
+
+
+def test_helix_refuses_it_naming_the_pipeline():
+    with pytest.raises(Exception, match=r"helix does not compute its load-balancing loss yet"):
+        assert_parity(ROW, lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, data_parallel_size=1)
+
+
+def test_under_a_schedule_that_interleaves_backwards_it_is_refused():
+    """1F1B runs micro-batch 0's backward before micro-batch 3's forward: the batch's loss is not known yet."""
+    with pytest.raises(Exception, match=r"use schedule='gpipe'"):
         assert_parity(ROW, lambda: PipelineParallelStrategy(pipeline_parallel_size=2), 2, data_parallel_size=1)
+
+
+def _validation_step(self, batch, batch_idx):
+    idx, targets = batch
+    out = self.model(input_ids=idx)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    self.log_dict({"val_loss": loss + self.model.config.router_aux_loss_coef * out.aux_loss, "val_aux": out.aux_loss})
+
+
+def _fit_then_validate(rank, world_size, pipelined):
+    module, data = build(ROW, 8, "sgd")
+    module.__class__ = type("Validated", (type(module),), {"validation_step": _validation_step})
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, schedule="gpipe") if pipelined else "auto"
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true", logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, max_steps=2,
+                            limit_val_batches=2, num_sanity_val_steps=0, enable_checkpointing=False,
+                            callbacks=[] if pipelined else [_OneReplicaSampler()])  # fmt: skip
+        trainer.fit(module, datamodule=data)
+        return trainer.validate(module, datamodule=data, verbose=False)[0]
+
+
+def test_validation_under_a_pipeline_sums_every_stage():
+    """Lock-step evaluation: each stage's model call holds its own routers' logits only; the loss is computed from
+    every stage's sums (``pipeline.balancing.over_stages``), as one device computes it."""
+    ranks = run_distributed(_fit_then_validate, 2, True, init_process_group=False)
+    single = _fit_then_validate(0, 1, False)
+    for got in ranks:
+        assert got.keys() == single.keys() == {"val_loss", "val_aux"}
+        for key, want in single.items():
+            assert got[key] == pytest.approx(want, rel=1e-7), key
