@@ -74,6 +74,7 @@ class RouterSums:
         self.leaves: dict[int, Tensor] = {}  # the loss's value, per micro-batch (loss stage)
         self.push: Tensor | None = None  # the gradient of every router call's probability sums
         self._at: tuple[int, int] | None = None
+        self._logits: list[Tensor] = []  # the routers' logits while a forward action runs
         self._capturing: int | None = None
         self._loss_of: int | None = None
 
@@ -105,11 +106,18 @@ class RouterSums:
 
     @contextmanager
     def running(self, i: int, unit: int) -> Iterator[None]:
-        self._at = (i, unit)
+        """While open, this stage's blocks run micro-batch i's forward through ``unit``: its routers' logits are
+        kept, and summed once the blocks have run (outside any recomputation region: a checkpoint's recomputation,
+        which runs the routers again, must not meet the sums' operations)."""
+        self._at, self._logits = (i, unit), []
         try:
             yield
         finally:
             self._at = None
+        if self.shares[i] > 0:
+            for logits in self._logits:
+                self._add(i, unit, logits)
+        self._logits = []
 
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._capturing is not None:
@@ -117,10 +125,10 @@ class RouterSums:
             self.masks[self._capturing] = bound.get("attention_mask")
 
     def _on_router(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._at is None or self.shares[self._at[0]] == 0.0:
-            return
-        i = self._at[0]
-        logits = output[self.spec.index] if isinstance(output, (tuple, list)) else output
+        if self._at is not None:
+            self._logits.append(output[self.spec.index] if isinstance(output, (tuple, list)) else output)
+
+    def _add(self, i: int, unit: int, logits: Tensor) -> None:
         mask = self.masks.get(i)
         assigned, probabilities, rows = self.spec.sums(logits, None if mask is None else mask.reshape(-1))
         if not probabilities.requires_grad:
@@ -129,7 +137,7 @@ class RouterSums:
                 " its load-balancing loss cannot reach it; recompute without torch.no_grad, or set"
                 " output_router_logits=False"
             )
-        self.parts.setdefault(self._at, []).append(probabilities)
+        self.parts.setdefault((i, unit), []).append(probabilities)
         mine = [assigned.double(), probabilities.detach().double(), rows.double().reshape(1)]
         self.totals = mine if self.totals is None else [t + m for t, m in zip(self.totals, mine)]
         self.calls += 1

@@ -211,7 +211,8 @@ class HelixRuntime(PipelineRuntime):
         if j == self.num_layers:
             self._loss_forward(ctx, a, inputs)
             return
-        outputs = self._chunk(ctx, j, mb, cap.trunk_input if j == 0 else None, inputs)
+        with self.balancing.running(mb, j) if self.balancing is not None else nullcontext():
+            outputs = self._chunk(ctx, j, mb, cap.trunk_input if j == 0 else None, inputs)
         ctx.saved[a] = (inputs, outputs)
         self._send(ctx, outputs, self._attention_stage(j + 1, mb), "FA", j + 1, mb)
 
@@ -239,14 +240,25 @@ class HelixRuntime(PipelineRuntime):
 
     def _loss_forward(self, ctx: StepContext, a: Action, inputs: list[Tensor]) -> None:
         mb = a.microbatch
-        step = lambda: ctx.user.loss(mb)  # noqa: E731
         # recomputed: the value and the logs now, the graph rebuilt in the backward action
         with torch.no_grad() if self.recompute else nullcontext():
-            y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
-            step_out = substitute(self.trunk, step, wrap_output(y, self.output_like))
+            with self.balancing.running(mb, a.chunk) if self.balancing is not None else nullcontext():
+                y = self._post(ctx, self.num_layers, mb, inputs[0], inputs[1:])
+            if self.balancing is not None:  # the loss needs every micro-batch's router sums: at the turn
+                ctx.pending.append((mb, a.chunk, inputs, y))
+            else:
+                self._loss(ctx, mb, a.chunk, inputs, y)
+
+    def _loss(self, ctx: StepContext, i: int, c: int, x: Any, out: Any) -> None:
+        """The user's step from the last layer's output ``out`` on to micro-batch i's loss (``x``: P_L's inputs)."""
+        with torch.no_grad() if self.recompute else nullcontext():
+            step_out = substitute(self.trunk, lambda: ctx.user.loss(i), wrap_output(out, self.output_like))
         loss = ctx.loss_of(step_out)
-        ctx.saved[a] = (inputs, [loss])
-        ctx.results[mb] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
+        ctx.saved[Action("FP", i, c)] = (x, [loss])
+        ctx.results[i] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
+
+    def _weighted_loss(self, ctx: StepContext, i: int, c: int) -> Tensor:
+        return ctx.saved[Action("FP", i, c)][1][0] * ctx.weights[i]
 
     def _forward_of(self, ctx: StepContext, a: Action) -> tuple[list[Tensor], list[Tensor]]:
         return ctx.saved.pop(Action("F" + a.kind[1], a.microbatch, a.chunk))  # type: ignore[arg-type]
@@ -273,10 +285,12 @@ class HelixRuntime(PipelineRuntime):
                     y = self._post(ctx, L, mb, inputs[0], inputs[1:])
                     out = wrap_output(y, self.output_like)
                     loss = ctx.loss_of(substitute(self.trunk, lambda: ctx.user.replay(mb), out))
-                torch.autograd.backward(loss * ctx.weights[mb], retain_graph=retain)
+                extra, extra_grads = self._roots(Action(a.kind, mb, j))
+                torch.autograd.backward([loss * ctx.weights[mb], *extra], [None, *extra_grads], retain_graph=retain)
             else:
                 grads = self._recv(ctx, 4, self._attention_stage(j + 1, mb), a)
-                torch.autograd.backward(outputs, grads, retain_graph=retain)
+                extra, extra_grads = self._roots(Action(a.kind, mb, j))
+                torch.autograd.backward([*outputs, *extra], [*grads, *extra_grads], retain_graph=retain)
             if j > 0:
                 grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
                 self._send(ctx, grads_in, self._attention_stage(j, mb), "BA", j, mb)

@@ -188,7 +188,7 @@ class PipelineRuntime:
                 for i, c, x, out in ctx.pending:
                     with self.balancing.loss_of(i):  # type: ignore[union-attr]
                         self._loss(ctx, i, c, x, out)
-            return {i: ctx.saved[(i, c)][1] * ctx.weights[i] for i, c, _, _ in ctx.pending}
+            return {i: self._weighted_loss(ctx, i, c) for i, c, _, _ in ctx.pending}
 
         self.balancing.turn(self.stage == self._output_stage(), losses)
 
@@ -283,6 +283,10 @@ class PipelineRuntime:
         loss = ctx.loss_of(step_out)
         ctx.saved[(i, c)] = (x, loss)
         ctx.results[i] = (loss.detach(), detached(step_out))  # the graph is the actions' alone
+
+    def _weighted_loss(self, ctx: StepContext, i: int, c: int) -> Tensor:
+        """Micro-batch i's loss (chunk c is the last) times its weight, as its backward will be seeded."""
+        return ctx.saved[(i, c)][1] * ctx.weights[i]
 
     def _roots(self, a: Action) -> tuple[list[Tensor], list[Tensor]]:
         """What a backward action back-propagates besides the chunk's output: its router sums' gradient."""

@@ -267,14 +267,14 @@ def overlappable(strategy: Any) -> bool:
     come after the dp mean (sums and the mean commute); a pipeline's buckets go in its chunks' last backward
     actions, and only when a step is its window's only batch (``accumulate_grad_batches=1``: the schedule's
     gradients are added to the earlier batches' after the backward,
-    :func:`lightning_parallel.strategies.gradients.add_`)."""
+    :func:`lightning_parallel.strategies.gradients.add_`). Under expert parallelism the experts are in no bucket
+    (their gradients are averaged over the ranks holding the same experts, after the backward)."""
     dims = strategy.parallel_dims
     lm = strategy.lightning_module
     return (
         strategy._dp.bucket_cap_mb > 0
         and dims.dp > 1
         and strategy._dp.mode == "none"
-        and strategy._experts.size == 1  # an expert's gradient is averaged over its replicas only
         and lm is not None
         and lm.automatic_optimization
     )

@@ -129,11 +129,15 @@ class HelixParallelStrategy(PipelineParallelStrategy):
 
     @override
     def _check_balancing(self, spec: Any) -> None:
-        raise ConfigurationError(
-            f"{type(spec.module).__name__} has output_router_logits=True: helix does not compute its load-balancing"
-            " loss yet (its post-attention parts, where the routers run, are recomputed in the backward); use"
-            " PipelineParallelStrategy(schedule='gpipe'), or set output_router_logits=False in the model's config"
-        )
+        """Helix runs every forward first (FILO), so the balancing loss needs no schedule; but its loss chunk runs
+        without a graph under ``recompute="no_attention"`` (rebuilt in the backward), where the loss stage reads
+        the loss's coefficient before any backward (:mod:`lightning_parallel.pipeline.balancing`)."""
+        if self._helix_recompute:
+            raise ConfigurationError(
+                f"{type(spec.module).__name__} has output_router_logits=True: under helix its load-balancing loss needs"
+                " recompute='none' (with 'no_attention' the last layer's routers and the loss run without a graph"
+                " until the backward, after the loss's gradient must be known); or set output_router_logits=False"
+            )
 
     @override
     def _validate_schedule(self) -> None:

@@ -58,12 +58,14 @@ FLOAT32_SUMS = 1e-7
      pytest.param(dict(data_parallel_size=2, data_parallel_sharding="optimizer"), 4, marks=pytest.mark.slow),
      pytest.param(dict(data_parallel_size=2, data_parallel_sharding="full"), 4, marks=pytest.mark.slow),
      pytest.param(dict(sequence_parallel_size=2), 4, marks=pytest.mark.slow),
+     pytest.param(dict(recompute="full"), 2, marks=pytest.mark.slow),
+     pytest.param(dict(recompute="selective"), 2, marks=pytest.mark.slow),
      pytest.param(dict(schedule="1f1b", num_microbatches=1), 2, marks=pytest.mark.slow),
      pytest.param(dict(schedule="interleaved_1f1b", num_microbatches=2, row=ROW + "#4"), 2, marks=pytest.mark.slow),
      pytest.param(dict(schedule="zb_h1", num_microbatches=1), 2, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_over_pipeline_stages(kwargs, world):
-    """pp=2 under GPipe (4 micro-batches; with dp, dp x ep, ZeRO, FSDP2 and sp, one micro-batch under 1F1B and ZB-H1, interleaved 1F1B with as many as stages: every
+    """pp=2 under GPipe (4 micro-batches; with dp, dp x ep, ZeRO, FSDP2, sp, full and selective recomputation, one micro-batch under 1F1B and ZB-H1, interleaved 1F1B with as many as stages: every
     schedule that runs every forward first):
     every stage sums its own routers' calls, the loss stage computes the batch's loss from the totals and sends its
     gradient back (lightning_parallel/pipeline/balancing.py); float64, SGD as over the replicas."""
@@ -105,8 +107,22 @@ def test_qwen3_moe_over_pipeline_stages():
     assert_parity("hf:qwen3_moe+aux", strategy, 2, data_parallel_size=1, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
 
 
-def test_helix_refuses_it_naming_the_pipeline():
-    with pytest.raises(Exception, match=r"helix does not compute its load-balancing loss yet"):
+@pytest.mark.parametrize(
+    "kwargs, world",
+    [(dict(), 2), pytest.param(dict(data_parallel_size=2), 4, marks=pytest.mark.slow),
+     pytest.param(dict(sequence_parallel_size=2), 4, marks=pytest.mark.slow),
+     pytest.param(dict(data_parallel_size=2, expert_parallel_size=2), 4, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_over_helix_stages(kwargs, world):
+    """Helix (p=2, every forward first in its FILO schedule, recompute='none'): each stage sums the routers of the
+    post-attention parts it runs; with dp, sp and dp x ep."""
+    dp = kwargs.get("data_parallel_size", 1)
+    strategy = lambda: HelixParallelStrategy(pipeline_parallel_size=2, recompute="none", mlp_chunks=1, **kwargs)  # noqa: E731
+    assert_parity(ROW, strategy, world, data_parallel_size=dp, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
+
+
+def test_helix_with_its_recomputation_refuses_it_naming_recompute_none():
+    with pytest.raises(Exception, match=r"under helix its load-balancing loss needs recompute='none'"):
         assert_parity(ROW, lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, data_parallel_size=1)
 
 
