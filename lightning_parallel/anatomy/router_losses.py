@@ -60,6 +60,7 @@ class Balancing:
     family's ``load_balancing_loss_func`` (``original``)."""
 
     module: nn.Module
+    family: Any  # the module (of transformers) whose load_balancing_loss_func the model's forward calls
     original: Callable[..., Any]
     router: type
     index: int
@@ -69,7 +70,10 @@ class Balancing:
     top_k: int
 
     def is_router(self, name: str, module: nn.Module) -> bool:
-        return isinstance(module, self.router) and (self.layer_name is None or name.endswith(self.layer_name))
+        """As transformers' recorder matches: the class, then the layer name between dots where given."""
+        if not isinstance(module, self.router):
+            return False
+        return self.layer_name is None or f".{self.layer_name.strip('.')}." in f".{name}."
 
     def sums(self, logits: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """One router call's share of the loss's sums: the top-k assignments per expert, the routing probabilities
@@ -152,25 +156,28 @@ def balancing_of(module: nn.Module) -> Balancing | None:
     if not found:
         return None
     name, model = found[0]
-    original = getattr(sys.modules.get(type(model).__module__), _NAME, None)
+    # the family's module: the first class up the model's MRO whose module defines the function (a user's subclass
+    # of a transformers model calls the family's)
+    family = next((m for m in (sys.modules.get(c.__module__) for c in type(model).__mro__)
+                   if callable(getattr(m, _NAME, None))), None)  # fmt: skip
+    original = getattr(family, _NAME, None)
     recorders = getattr(model, "_can_record_outputs", None) or {}
     recorder = recorders.get("router_logits")
+    router = getattr(recorder, "target_class", recorder)
     top_k = getattr(model.config, "num_experts_per_tok", None)
     experts = next(
         (getattr(model.config, k) for k in _EXPERTS if isinstance(getattr(model.config, k, None), int)), None
     )
-    if original is None or recorder is None or not isinstance(top_k, int) or experts is None:
+    if original is None or not isinstance(router, type) or not isinstance(top_k, int) or experts is None:
         raise ConfigurationError(
             f"{name or type(model).__name__} has output_router_logits=True, but its family has no"
             f" {_NAME} with a router_logits recorder and config.num_experts_per_tok and a number of experts"
             f" ({', '.join(_EXPERTS)}) to compute it from each pipeline stage's routers; set"
             " output_router_logits=False, or train without pipeline parallelism"
         )
-    router = getattr(recorder, "target_class", recorder)
     index, layer_name = getattr(recorder, "index", 0), getattr(recorder, "layer_name", None)
-    spec = Balancing(
-        model, getattr(original, "__wrapped__", original), router, index or 0, layer_name, 0, experts, top_k
-    )
+    original = getattr(original, "__wrapped__", original)
+    spec = Balancing(model, family, original, router, index or 0, layer_name, 0, experts, top_k)
     spec.routers = sum(spec.is_router(n, m) for n, m in model.named_modules())
     spec.check()
     return spec
@@ -180,7 +187,7 @@ def balancing_of(module: nn.Module) -> Balancing | None:
 def computed_by(spec: Balancing, compute: Callable[[tuple, int, Any], Tensor]) -> Iterator[None]:
     """While open, the family's ``load_balancing_loss_func`` is ``compute(gate_logits, num_experts,
     attention_mask)`` (a pipeline's loss from every stage's sums; it checks the family's top-k is the config's)."""
-    module = sys.modules[type(spec.module).__module__]
+    module = spec.family
     original = getattr(module, _NAME)
     signature = inspect.signature(spec.original)
 

@@ -71,10 +71,10 @@ class RouterSums:
         self.parts: dict[tuple[int, int], list[Tensor]] = {}  # (micro-batch, unit) -> its routers' probability sums
         self.totals: list[Tensor] | None = None  # assigned, probabilities, rows: this stage's, then the batch's
         self.calls = 0
-        self.leaves: dict[int, Tensor] = {}  # the loss's value, per micro-batch (loss stage)
+        self.leaves: dict[int, list[Tensor]] = {}  # the loss's value, per micro-batch and call (loss stage)
         self.push: Tensor | None = None  # the gradient of every router call's probability sums
         self._at: tuple[int, int] | None = None
-        self._logits: list[Tensor] = []  # the routers' logits while a forward action runs
+        self._logits: list[tuple[Tensor, bool]] = []  # the routers' logits (trainable?) while a forward runs
         self._capturing: int | None = None
         self._loss_of: int | None = None
 
@@ -115,8 +115,8 @@ class RouterSums:
         finally:
             self._at = None
         if self.shares[i] > 0:
-            for logits in self._logits:
-                self._add(i, unit, logits)
+            for logits, trained in self._logits:
+                self._add(i, unit, logits, trained)
         self._logits = []
 
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -126,18 +126,19 @@ class RouterSums:
 
     def _on_router(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._at is not None:
-            self._logits.append(output[self.spec.index] if isinstance(output, (tuple, list)) else output)
+            logits = output[self.spec.index] if isinstance(output, (tuple, list)) else output
+            trained = torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+            self._logits.append((logits, trained))
 
-    def _add(self, i: int, unit: int, logits: Tensor) -> None:
+    def _add(self, i: int, unit: int, logits: Tensor, trained: bool) -> None:
+        """Add one router call's sums; keep its probabilities' graph for the backward where it has one (a frozen
+        router on frozen inputs has none, and gets no gradient, as on one device)."""
         mask = self.masks.get(i)
         assigned, probabilities, rows = self.spec.sums(logits, None if mask is None else mask.reshape(-1))
-        if not probabilities.requires_grad:
-            raise ConfigurationError(
-                f"a router of {type(self.spec.module).__name__} ran without a graph in a pipeline's forward action, so"
-                " its load-balancing loss cannot reach it; recompute without torch.no_grad, or set"
-                " output_router_logits=False"
-            )
-        self.parts.setdefault((i, unit), []).append(probabilities)
+        if probabilities.requires_grad:
+            self.parts.setdefault((i, unit), []).append(probabilities)
+        elif trained:  # not reached: the pipeline runs its forward actions with a graph
+            raise RuntimeError("a router with trainable parameters ran without a graph in a forward action")
         mine = [assigned.double(), probabilities.detach().double(), rows.double().reshape(1)]
         self.totals = mine if self.totals is None else [t + m for t, m in zip(self.totals, mine)]
         self.calls += 1
@@ -162,7 +163,8 @@ class RouterSums:
             raise ConfigurationError(
                 f"{type(self.spec.module).__name__} has {self.spec.routers} routers, but the pipeline's stages saw"
                 f" {calls} router calls in {real} micro-batches: its load-balancing loss needs each router called"
-                " once per micro-batch; set output_router_logits=False"
+                " once per micro-batch, as a module (a block run through a traced forward calls it without its"
+                " hooks); set output_router_logits=False"
             )
         push = torch.zeros(experts, dtype=torch.float64, device=device)
         if loss_stage:
@@ -171,10 +173,11 @@ class RouterSums:
             self.totals = [totals[:experts], totals[experts : 2 * experts], totals[-1]]
             coefficient = torch.zeros(1, dtype=torch.float64, device=device)
             for i, loss in run_losses().items():
-                if i in self.leaves and loss.requires_grad:
-                    (grad,) = torch.autograd.grad(loss, self.leaves[i], retain_graph=True, allow_unused=True)
-                    if grad is not None:
-                        coefficient += grad.double().to(device)
+                if self.leaves.get(i) and loss.requires_grad:
+                    grads = torch.autograd.grad(loss, self.leaves[i], retain_graph=True, allow_unused=True)
+                    for grad in grads:
+                        if grad is not None:
+                            coefficient += grad.double().to(device)
             if self.replicas is not None:
                 _collectives.all_reduce_sum_([coefficient], self.replicas)
             # one device's backward of value(), in its float32 and its order: (c E) (a / n) / n
@@ -211,7 +214,7 @@ class RouterSums:
                                      f" {self.spec.experts}")  # fmt: skip
         leaf = value(*self.totals).to(self.device).detach().requires_grad_(True)
         if self.shares[i] > 0:
-            self.leaves[i] = leaf
+            self.leaves.setdefault(i, []).append(leaf)
         return leaf
 
     # ------------------------------------------------------------------ the backward actions
@@ -226,9 +229,9 @@ class RouterSums:
 
 
 @contextmanager
-def over_stages(spec: Balancing, stages: Any) -> Iterator[None]:
+def over_stages(spec: Balancing, stages: Any, shards: Any = None) -> Iterator[None]:
     """While open (a lock-step evaluation, where every stage runs the post-trunk code with its own routers' logits),
-    the family's function returns the loss from every stage's sums."""
+    the family's function returns the loss from every stage's (and sequence shard's) sums."""
 
     def summed(logits: Any, experts: int, mask: Any) -> Tensor:
         flat = None if mask is None else mask.reshape(-1)
@@ -237,6 +240,8 @@ def over_stages(spec: Balancing, stages: Any) -> Iterator[None]:
         with torch.no_grad():
             for z in logits or ():
                 totals += torch.cat([t.double().reshape(-1) for t in spec.sums(z, flat)]).to(device)
+        if shards is not None:
+            _collectives.all_reduce_sum_([totals], shards)
         _collectives.all_reduce_sum_([totals], stages)
         out = value(totals[:experts], totals[experts : 2 * experts], totals[-1])
         return out.to(logits[0].device if logits else torch.device("cpu"))

@@ -112,9 +112,8 @@ class DataParallelShardingMixin(ParallelStrategy):
             return None
         if len(self.optimizers) != 1:
             return None  # one of several optimizers: each steps when its closure says
-        layout = self._experts.layout  # an expert's gradient is averaged over its replicas, after the backward
-        experts = {id(p) for p in layout.params} if layout is not None else set()
-        params = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in experts]
+        experts = {id(p) for p in self._expert_params()}  # averaged over their replicas, after the backward
+        params = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in experts and not p.is_meta]
         return self._dp.buckets_for(*self._gradient_units(params), self.dp_group)
 
     def _fully_shard_deferred(

@@ -131,12 +131,21 @@ class HelixParallelStrategy(PipelineParallelStrategy):
     def _check_balancing(self, spec: Any) -> None:
         """Helix runs every forward first (FILO), so the balancing loss needs no schedule; but its loss chunk runs
         without a graph under ``recompute="no_attention"`` (rebuilt in the backward), where the loss stage reads
-        the loss's coefficient before any backward (:mod:`lightning_parallel.pipeline.balancing`)."""
-        if self._helix_recompute:
+        the loss's coefficient before any backward (:mod:`lightning_parallel.pipeline.balancing`); and its default
+        MLP chunks call each router once per slice."""
+        if self.parallel_dims.tp > 1:  # its split blocks call the routers' forwards without their modules' hooks
+            raise ConfigurationError(
+                f"{type(spec.module).__name__} has output_router_logits=True: helix x tensor parallelism does not"
+                " compute its load-balancing loss (the split blocks call the routers without the hooks that sum"
+                " them); use helix without tensor_parallel_size, PipelineParallelStrategy(schedule='gpipe'), or set"
+                " output_router_logits=False in the model's config"
+            )
+        if self._helix_recompute or self._block_settings.mlp_chunks > 1:
             raise ConfigurationError(
                 f"{type(spec.module).__name__} has output_router_logits=True: under helix its load-balancing loss needs"
-                " recompute='none' (with 'no_attention' the last layer's routers and the loss run without a graph"
-                " until the backward, after the loss's gradient must be known); or set output_router_logits=False"
+                " recompute='none' and mlp_chunks=1 (with 'no_attention' the last layer's routers and the loss run"
+                " without a graph until the backward, after the loss's gradient must be known; with MLP chunks each"
+                " router runs once per slice); or set output_router_logits=False in the model's config"
             )
 
     @override

@@ -199,6 +199,13 @@ class PipelineParallelStrategy(HybridParallelStrategy):
     def _check_balancing(self, spec: Balancing) -> None:
         """A balancing loss reads every micro-batch's router sums before the first backward
         (:mod:`lightning_parallel.pipeline.balancing`)."""
+        if self._block_settings.mlp_chunks > 1:
+            raise ConfigurationError(
+                f"{type(spec.module).__name__} has output_router_logits=True: with mlp_chunks="
+                f"{self._block_settings.mlp_chunks} each router runs once per slice of the sequence, and its"
+                " load-balancing loss weighs each router's rows by the attention mask as one call; use mlp_chunks=1"
+                " (or set output_router_logits=False in the model's config)"
+            )
         if not forwards_first(self.schedule):
             raise ConfigurationError(
                 f"{type(spec.module).__name__} has output_router_logits=True: its load-balancing loss is one value over"
@@ -502,7 +509,8 @@ class PipelineParallelStrategy(HybridParallelStrategy):
                 step = getattr(self.lightning_module, hook)
                 self._commit_then_fully_shard(self.runtime.capture_step, lambda: step(*args, **kwargs))
             summed = self._balancing is not None and self.runtime._evaluates_in_parts()
-            with over_stages(self._balancing, self.pp_group) if summed else nullcontext():  # type: ignore[arg-type]
+            shards = self._mesh.get_group(SP) if self.parallel_dims.sp > 1 else None
+            with over_stages(self._balancing, self.pp_group, shards) if summed else nullcontext():  # type: ignore[arg-type]
                 return self.runtime.lockstep(lambda: base(*args, **kwargs))
 
     @override

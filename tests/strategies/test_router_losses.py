@@ -121,9 +121,26 @@ def test_over_helix_stages(kwargs, world):
     assert_parity(ROW, strategy, world, data_parallel_size=dp, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
 
 
-def test_helix_with_its_recomputation_refuses_it_naming_recompute_none():
-    with pytest.raises(Exception, match=r"under helix its load-balancing loss needs recompute='none'"):
+def test_helix_with_its_recomputation_or_mlp_chunks_refuses_it_naming_both():
+    with pytest.raises(Exception, match=r"under helix its load-balancing loss needs recompute='none' and mlp_chunks=1"):
         assert_parity(ROW, lambda: HelixParallelStrategy(pipeline_parallel_size=2), 2, data_parallel_size=1)
+
+
+@pytest.mark.slow
+def test_helix_with_tensor_parallelism_refuses_it_before_training():
+    """helix x tp's split blocks call the routers without their modules' hooks: refused at set-up (the step's count
+    of router calls would catch it too, after the forwards)."""
+    make = lambda: HelixParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, recompute="none",  # noqa: E731
+                                         mlp_chunks=1)  # fmt: skip
+    with pytest.raises(Exception, match=r"helix x tensor parallelism does not compute its load-balancing loss"):
+        assert_parity(ROW, make, 4, data_parallel_size=1, dtype="float32")
+
+
+def test_mlp_chunks_are_refused_naming_mlp_chunks_1():
+    """Each router would run once per slice of the sequence, its rows no longer the attention mask's."""
+    make = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="gpipe", mlp_chunks=2)  # noqa: E731
+    with pytest.raises(Exception, match=r"with mlp_chunks=2 each router runs once per slice.*use mlp_chunks=1"):
+        assert_parity(ROW, make, 2, data_parallel_size=1)
 
 
 def test_under_a_schedule_that_interleaves_backwards_it_is_refused():
