@@ -244,7 +244,7 @@ def over_stages(spec: Balancing, stages: Any, shards: Any = None) -> Iterator[No
             _collectives.all_reduce_sum_([totals], shards)
         _collectives.all_reduce_sum_([totals], stages)
         out = value(totals[:experts], totals[experts : 2 * experts], totals[-1])
-        return out.to(logits[0].device if logits else torch.device("cpu"))
+        return out.to(logits[0].device) if logits else out  # (a stage without routers: on the comm device)
 
     with computed_by(spec, summed):
         yield

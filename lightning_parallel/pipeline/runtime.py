@@ -17,7 +17,9 @@ Per forward action (micro-batch i, chunk c) on the stage that owns chunk c:
    previous chunk's output, received as a leaf that requires grad;
 3. call the chunk's blocks explicitly with their captured arguments (recomputation wraps these calls);
 4. send the output on, or, for the last chunk, re-enter the user's step with the trunk output
-   substituted (``capture.substitute``) and keep the loss.
+   substituted (``capture.substitute``) and keep the loss (with a mixture's balancing loss, at the *turn*
+   between the stage's forward and backward actions, once every stage's router sums are known:
+   ``pipeline.balancing``, whose gradient each backward action then adds as a second root).
 
 Per backward action ``B``: back-propagate the loss (scaled by the micro-batch's weight) or the received
 output gradient, and send the input's gradient back. A zero-bubble schedule splits it
