@@ -11,6 +11,10 @@ so every rank computes the whole batch's loss. Its gradient on a rank's own logi
 (:func:`lightning_parallel._collectives.all_gather_rows`): over the data-parallel replicas, whose gradients are
 averaged, that is the one device's gradient; over the sequence shards, whose gradients are summed, it is divided
 by their number (each shard's gradient is then its own logits' part once).
+
+Under a pipeline no rank sees every layer's logits: :class:`Balancing` holds what the family's function is made of
+(its routers, and the loss as sums of every router call, :meth:`Balancing.sums` and :func:`value`, checked against
+the family's function), which ``lightning_parallel.pipeline.balancing`` adds up over the stages.
 """
 
 from __future__ import annotations
