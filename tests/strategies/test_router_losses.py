@@ -75,6 +75,7 @@ def test_over_pipeline_stages(kwargs, world):
     assert_parity(row, strategy, world, data_parallel_size=dp, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
 
 
+@pytest.mark.slow
 def test_over_pipeline_stages_with_an_attention_mask():
     """Padded rows (an attention mask): every stage weights its routers' rows by the model's mask, kept from the
     micro-batch's capture (the loss stage checks the loss is given the same); and the gradient stays exact with it."""
@@ -82,9 +83,8 @@ def test_over_pipeline_stages_with_an_attention_mask():
     assert_parity(ROW + "+mask", strategy, 2, data_parallel_size=1, optimizer="sgd", loss_rtol=FLOAT32_SUMS)
 
 
-@pytest.mark.parametrize(
-    "kwargs, world", [(dict(), 2), pytest.param(dict(tensor_parallel_size=2), 4, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs, world", [(dict(), 2), (dict(tensor_parallel_size=2), 4)])
 def test_over_pipeline_stages_float32(kwargs, world):
     """The float32 tier of the same (the contract's SGD at 1e-5, losses included), and with tp (Mixtral's norms
     compute in float32, so tp is float32-exact only, with or without the loss)."""
@@ -136,6 +136,7 @@ def test_helix_with_tensor_parallelism_refuses_it_before_training():
         assert_parity(ROW, make, 4, data_parallel_size=1, dtype="float32")
 
 
+@pytest.mark.slow
 def test_mlp_chunks_are_refused_naming_mlp_chunks_1():
     """Each router would run once per slice of the sequence, its rows no longer the attention mask's."""
     make = lambda: PipelineParallelStrategy(pipeline_parallel_size=2, schedule="gpipe", mlp_chunks=2)  # noqa: E731
