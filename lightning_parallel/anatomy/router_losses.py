@@ -79,6 +79,10 @@ class Balancing:
             return False
         return self.layer_name is None or f".{self.layer_name.strip('.')}." in f".{name}."
 
+    def mask_of(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """The attention mask a call of the model's forward passes (its ``load_balancing_loss_func`` gets the same)."""
+        return inspect.signature(self.module.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+
     def sums(self, logits: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """One router call's share of the loss's sums: the top-k assignments per expert, the routing probabilities
         per expert (with its graph) and the rows counted, each row weighted by ``mask`` (flat) where given: the

@@ -20,7 +20,6 @@ device's coefficient) and sends the gradient vector to every stage.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -45,17 +44,6 @@ def _router_hook(module: nn.Module, args: tuple, output: Any) -> None:
 def _model_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if _ACTIVE is not None:
         _ACTIVE._on_model(module, args, kwargs)
-
-
-def forwards_first(schedule: dict[int, list[Any]]) -> bool:
-    """Whether every stage runs all its forward actions before its first backward action."""
-    for actions in schedule.values():
-        kinds = [a.kind[0] for a in actions]
-        if "B" in kinds and "F" in kinds[kinds.index("B") :]:
-            return False
-        if "I" in kinds and "F" in kinds[kinds.index("I") :]:
-            return False
-    return True
 
 
 class RouterSums:
@@ -98,11 +86,9 @@ class RouterSums:
 
     @contextmanager
     def capturing(self, i: int) -> Iterator[None]:
-        self._capturing = i
-        try:
+        """While open, micro-batch i's capture runs (the model's attention mask is kept for it)."""
+        with _set(self, "_capturing", i):
             yield
-        finally:
-            self._capturing = None
 
     @contextmanager
     def running(self, i: int, unit: int) -> Iterator[None]:
@@ -121,8 +107,7 @@ class RouterSums:
 
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._capturing is not None:
-            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-            self.masks[self._capturing] = bound.get("attention_mask")
+            self.masks[self._capturing] = self.spec.mask_of(args, kwargs)
 
     def _on_router(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._at is not None:
@@ -194,11 +179,9 @@ class RouterSums:
 
     @contextmanager
     def loss_of(self, i: int) -> Iterator[None]:
-        self._loss_of = i
-        try:
+        """While open, micro-batch i's deferred loss runs."""
+        with _set(self, "_loss_of", i):
             yield
-        finally:
-            self._loss_of = None
 
     def _loss(self, logits: Any, experts: int, mask: Any) -> Tensor:
         i = self._loss_of
@@ -226,6 +209,15 @@ class RouterSums:
             return [], []
         summed = torch.stack(parts).sum(0)
         return [summed], [self.push.to(summed.device, summed.dtype)]
+
+
+@contextmanager
+def _set(owner: Any, name: str, value: Any) -> Iterator[None]:
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, None)
 
 
 @contextmanager
@@ -261,4 +253,4 @@ def stood_in(spec: Balancing | None) -> Iterator[None]:
         yield
 
 
-__all__ = ["RouterSums", "forwards_first", "over_stages", "stood_in"]
+__all__ = ["RouterSums", "over_stages", "stood_in"]

@@ -242,6 +242,17 @@ def placement_style(name: str) -> Literal["loop", "v"]:
     return "v" if name == "zbv" else "loop"
 
 
+def forwards_first(schedule: dict[int, list[Any]]) -> bool:
+    """Whether every stage runs all its forward actions before its first backward action."""
+    for actions in schedule.values():
+        kinds = [a.kind[0] for a in actions]
+        if "B" in kinds and "F" in kinds[kinds.index("B") :]:
+            return False
+        if "I" in kinds and "F" in kinds[kinds.index("I") :]:
+            return False
+    return True
+
+
 def build_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Look a generator up by name and validate the result."""
     if name not in SCHEDULES:

@@ -43,7 +43,7 @@ from lightning_parallel.blocks import BlockConfig
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.mesh import DP, PP, SP, Size, check_size
 from lightning_parallel.pipeline import outer
-from lightning_parallel.pipeline.balancing import RouterSums, forwards_first, over_stages, stood_in
+from lightning_parallel.pipeline.balancing import RouterSums, over_stages, stood_in
 from lightning_parallel.pipeline.capture import loss_of
 from lightning_parallel.pipeline.placement import place_blocks
 from lightning_parallel.pipeline.runtime import PipelineRuntime
@@ -53,6 +53,7 @@ from lightning_parallel.pipeline.schedules import (
     Simulation,
     build_schedule,
     chunk_stages,
+    forwards_first,
     placement_style,
     simulate,
 )

@@ -10,8 +10,7 @@ import torch
 from lightning_parallel.anatomy import router_losses
 from lightning_parallel.anatomy.router_losses import balancing_of, value
 from lightning_parallel.errors import ConfigurationError
-from lightning_parallel.pipeline.balancing import forwards_first
-from lightning_parallel.pipeline.schedules import build_schedule
+from lightning_parallel.pipeline.schedules import build_schedule, forwards_first
 
 transformers = pytest.importorskip("transformers")
 
